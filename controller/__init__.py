@@ -1,0 +1,1 @@
+"""specdepth controller: protocol, Featurizer, service, traces and the `controller` CLI."""

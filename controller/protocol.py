@@ -1,0 +1,394 @@
+"""Wire protocol, version 1: the one schema spoken by the hook, the controller and the simulator.
+
+Transport (see DESIGN.md): ZeroMQ, one ROUTER bound by the controller, one DEALER per hook
+process. Every message is one frame holding one msgpack map with ``t`` (type) and ``v``
+(protocol major version). Frames over :data:`MAX_FRAME_BYTES` are refused.
+
+This module is imported inside SGLang's scheduler process, so it imports only the standard
+library and msgpack. It never unpickles: msgpack maps become plain Python values, then typed
+dataclasses after validation.
+
+Error codes (the ``code`` of an ``error`` reply; each reply changes nothing else):
+
+===================  =========================================================================
+code                 meaning
+===================  =========================================================================
+``too_large``        the frame is over 64 KiB
+``bad_msgpack``      the bytes are not one complete msgpack value
+``not_a_map``        the value is not a map, or has non-string keys
+``bad_version``      ``v`` is missing, not an int, or not 1
+``unknown_type``     ``t`` is missing, not a string, or not a known message type
+``bad_field``        a required field is missing, ill-typed, or out of range
+``bad_depth``        a ``step``'s ``depth`` is not one of the instance's ``depths``
+``bad_accept``       ``accept`` is not a list of ints of length ``bs`` each in 0..depth
+                     (or not empty when ``depth`` is 0)
+``stale_seq``        ``seq`` did not increase since the instance's previous ``step``
+``unknown_instance`` a ``step`` from an instance that sent no ``hello`` (e.g. after a
+                     controller restart); the hook answers by sending ``hello`` again
+``wrong_direction``  a controller-to-hook message sent to the controller, or vice versa
+``internal``         the controller failed on a valid message (a bug; it keeps serving)
+===================  =========================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+
+PROTOCOL_VERSION: Final = 1
+MAX_FRAME_BYTES: Final = 64 * 1024
+DEFAULT_ENDPOINT: Final = "ipc:///tmp/spec-controller.sock"
+
+MAX_INSTANCE_CHARS: Final = 128
+MAX_TEXT_CHARS: Final = 1024
+MAX_DEPTH: Final = 32
+MAX_DEPTHS: Final = 16
+MAX_BS: Final = 65536
+MAX_COUNT: Final = 2**40
+MAX_STEP_US: Final = 3_600_000_000  # one hour: anything longer is a broken clock
+MAX_U63: Final = 2**63 - 1
+
+ERROR_CODES: Final = (
+    "too_large",
+    "bad_msgpack",
+    "not_a_map",
+    "bad_version",
+    "unknown_type",
+    "bad_field",
+    "bad_depth",
+    "bad_accept",
+    "stale_seq",
+    "unknown_instance",
+    "wrong_direction",
+    "internal",
+)
+
+TO_CONTROLLER: Final = ("hello", "step")
+TO_HOOK: Final = ("welcome", "decision", "error")
+
+
+class ProtocolError(Exception):
+    """A frame that violates protocol v1. ``code`` is one of :data:`ERROR_CODES`."""
+
+    def __init__(self, code: str, msg: str) -> None:
+        super().__init__(f"{code}: {msg}")
+        self.code = code
+        self.msg = msg
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(slots=True)
+class Hello:
+    """hook → controller, once per connection: who the instance is and what it allows."""
+
+    instance: str
+    depths: tuple[int, ...]
+    engine: str = ""
+    model: str = ""
+    tp: int = 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "t": "hello",
+            "v": PROTOCOL_VERSION,
+            "instance": self.instance,
+            "depths": list(self.depths),
+            "engine": self.engine,
+            "model": self.model,
+            "tp": self.tp,
+        }
+
+
+@dataclass(slots=True)
+class Step:
+    """The step record: one decode step of one instance, as the hook saw it.
+
+    This is the one record type of the project: the hook emits it, the controller records it,
+    the simulator emits it, and the Featurizer consumes it.
+
+    Attributes:
+        instance: replica name, unique per SGLang replica.
+        seq: increasing per instance.
+        depth: the draft depth this step ran with (0 = no speculation).
+        bs: requests in this decode batch.
+        waiting: requests queued, not yet running.
+        accept: per request, draft tokens accepted (bonus token excluded), each 0..depth;
+            length ``bs`` when ``depth > 0``, empty when ``depth == 0``.
+        step_us: µs between this decode result and the previous one on this rank.
+        ctx_tokens: sum of the sequence lengths in the batch.
+        kv_usage: fraction of the KV pool in use, in [0, 1].
+        prefill_tokens: prompt tokens prefilled since the previous record.
+        ts_ns: monotonic clock at the hook.
+    """
+
+    instance: str
+    seq: int
+    depth: int
+    bs: int
+    waiting: int
+    accept: list[int]
+    step_us: int
+    ctx_tokens: int
+    kv_usage: float
+    prefill_tokens: int
+    ts_ns: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens emitted by the whole batch this step: Σ(accept + 1), or bs at depth 0."""
+        return self.bs + sum(self.accept)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "t": "step",
+            "v": PROTOCOL_VERSION,
+            "instance": self.instance,
+            "seq": self.seq,
+            "depth": self.depth,
+            "bs": self.bs,
+            "waiting": self.waiting,
+            "accept": self.accept,
+            "step_us": self.step_us,
+            "ctx_tokens": self.ctx_tokens,
+            "kv_usage": self.kv_usage,
+            "prefill_tokens": self.prefill_tokens,
+            "ts_ns": self.ts_ns,
+        }
+
+
+@dataclass(slots=True)
+class Welcome:
+    """controller → hook, the reply to ``hello``."""
+
+    policy: str
+    features: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "welcome", "v": PROTOCOL_VERSION, "policy": self.policy, "features": self.features}
+
+
+@dataclass(slots=True)
+class Decision:
+    """controller → hook, one per ``step`` received: the depth to use next. Also a heartbeat."""
+
+    instance: str
+    seq: int
+    depth: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "t": "decision",
+            "v": PROTOCOL_VERSION,
+            "instance": self.instance,
+            "seq": self.seq,
+            "depth": self.depth,
+        }
+
+
+@dataclass(slots=True)
+class Error:
+    """controller → hook: the frame it answers was refused and changed nothing."""
+
+    code: str
+    msg: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "error", "v": PROTOCOL_VERSION, "code": self.code, "msg": self.msg}
+
+
+Message = Hello | Step | Welcome | Decision | Error
+
+
+# --------------------------------------------------------------------------- encode / decode
+
+
+def encode(msg: Message) -> bytes:
+    """Encode a message as one msgpack frame."""
+    return pack(msg.to_wire())
+
+
+def pack(wire: dict[str, Any]) -> bytes:
+    """Encode a wire map (already holding ``t`` and ``v``)."""
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def unpack(frame: bytes) -> dict[str, Any]:
+    """Turn one frame into a wire map with string keys, or raise :class:`ProtocolError`.
+
+    Checks size, msgpack well-formedness, map-ness and ``v``; not the fields of ``t``.
+    """
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        wire = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError("bad_msgpack", f"not one msgpack value ({type(exc).__name__})") from None
+    if not isinstance(wire, dict) or not all(type(k) is str for k in wire):
+        raise ProtocolError("not_a_map", "a frame must hold one msgpack map with string keys")
+    v = wire.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", f"v must be {PROTOCOL_VERSION}, got {_short(v)}")
+    return wire
+
+
+def decode(frame: bytes) -> Message:
+    """Decode and validate any message (either direction). Raises :class:`ProtocolError`."""
+    return from_wire(unpack(frame))
+
+
+def from_wire(wire: dict[str, Any]) -> Message:
+    """Validate a wire map (as :func:`unpack` returns it) into its typed message."""
+    t = wire.get("t")
+    parser = _PARSERS.get(t) if type(t) is str else None
+    if parser is None:
+        raise ProtocolError("unknown_type", f"unknown message type {_short(t)}")
+    return parser(wire)
+
+
+def parse_hello(wire: dict[str, Any]) -> Hello:
+    instance = _instance(wire)
+    depths = wire.get("depths")
+    if (
+        type(depths) is not list
+        or not 1 <= len(depths) <= MAX_DEPTHS
+        or not all(type(d) is int and 0 <= d <= MAX_DEPTH for d in depths)
+        or any(a >= b for a, b in zip(depths, depths[1:]))
+    ):
+        raise ProtocolError(
+            "bad_field",
+            f"depths must be 1..{MAX_DEPTHS} strictly increasing ints in 0..{MAX_DEPTH}",
+        )
+    return Hello(
+        instance=instance,
+        depths=tuple(depths),
+        engine=_text(wire, "engine", MAX_TEXT_CHARS),
+        model=_text(wire, "model", MAX_TEXT_CHARS),
+        tp=_int(wire, "tp", 1, 65536),
+    )
+
+
+def parse_step(wire: dict[str, Any]) -> Step:
+    """Validate a ``step`` map. Checks that need the instance's ``hello`` are in :func:`check_step`."""
+    depth = _int(wire, "depth", 0, MAX_DEPTH)
+    bs = _int(wire, "bs", 1, MAX_BS)
+    accept = wire.get("accept")
+    if type(accept) is not list:
+        raise ProtocolError("bad_accept", "accept must be a list")
+    if depth == 0:
+        if accept:
+            raise ProtocolError("bad_accept", "accept must be empty when depth is 0")
+    elif len(accept) != bs:
+        raise ProtocolError("bad_accept", f"accept has {len(accept)} entries for bs={bs}")
+    else:
+        for a in accept:
+            if type(a) is not int or not 0 <= a <= depth:
+                raise ProtocolError("bad_accept", f"accept entries must be ints in 0..{depth}")
+    kv = wire.get("kv_usage")
+    if type(kv) is int:
+        kv = float(kv)
+    if type(kv) is not float or not 0.0 <= kv <= 1.0:  # NaN fails both comparisons
+        raise ProtocolError("bad_field", f"kv_usage must be a number in [0, 1], got {_short(kv)}")
+    return Step(
+        instance=_instance(wire),
+        seq=_int(wire, "seq", 0, MAX_U63),
+        depth=depth,
+        bs=bs,
+        waiting=_int(wire, "waiting", 0, MAX_COUNT),
+        accept=accept,
+        step_us=_int(wire, "step_us", 0, MAX_STEP_US),
+        ctx_tokens=_int(wire, "ctx_tokens", 0, MAX_COUNT),
+        kv_usage=kv,
+        prefill_tokens=_int(wire, "prefill_tokens", 0, MAX_COUNT),
+        ts_ns=_int(wire, "ts_ns", 0, MAX_U63),
+    )
+
+
+def check_step(step: Step, depths: tuple[int, ...], last_seq: int | None) -> None:
+    """The checks of a ``step`` that need its instance's ``hello`` and previous ``seq``."""
+    if step.depth not in depths:
+        raise ProtocolError("bad_depth", f"depth {step.depth} is not one of {list(depths)}")
+    if last_seq is not None and step.seq <= last_seq:
+        raise ProtocolError("stale_seq", f"seq {step.seq} does not follow {last_seq}")
+
+
+def parse_welcome(wire: dict[str, Any]) -> Welcome:
+    return Welcome(policy=_text(wire, "policy", MAX_TEXT_CHARS), features=_int(wire, "features", 0, MAX_U63))
+
+
+def parse_decision(wire: dict[str, Any]) -> Decision:
+    return Decision(
+        instance=_instance(wire),
+        seq=_int(wire, "seq", 0, MAX_U63),
+        depth=_int(wire, "depth", 0, MAX_DEPTH),
+    )
+
+
+def parse_error(wire: dict[str, Any]) -> Error:
+    code = wire.get("code")
+    if type(code) is not str or not code:
+        raise ProtocolError("bad_field", "error needs a string code")
+    return Error(code=code[:64], msg=_text(wire, "msg", MAX_TEXT_CHARS))
+
+
+_PARSERS = {
+    "hello": parse_hello,
+    "step": parse_step,
+    "welcome": parse_welcome,
+    "decision": parse_decision,
+    "error": parse_error,
+}
+
+
+# --------------------------------------------------------------------------- field helpers
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(wire: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    value = wire.get(key)
+    # bool is an int subclass in Python; msgpack has a distinct bool type, so refuse it.
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError("bad_field", f"{key} must be an int in {lo}..{hi}, got {_short(value)}")
+    return value
+
+
+def _text(wire: dict[str, Any], key: str, max_chars: int) -> str:
+    value = wire.get(key, "")
+    if type(value) is not str or len(value) > max_chars:
+        raise ProtocolError("bad_field", f"{key} must be a string of at most {max_chars} chars")
+    return value
+
+
+def _instance(wire: dict[str, Any]) -> str:
+    value = wire.get("instance")
+    if type(value) is not str or not 1 <= len(value) <= MAX_INSTANCE_CHARS:
+        raise ProtocolError("bad_field", f"instance must be a string of 1..{MAX_INSTANCE_CHARS} chars")
+    return value
+
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "ERROR_CODES",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "Decision",
+    "Error",
+    "Hello",
+    "Message",
+    "ProtocolError",
+    "Step",
+    "Welcome",
+    "check_step",
+    "decode",
+    "encode",
+    "from_wire",
+    "pack",
+    "unpack",
+]
