@@ -30,7 +30,7 @@ feature                    meaning
                            accepted), a decayed count with a weak prior
 ``tokens_k`` (k ∈ D)       expected tokens per request-step at depth k, / (k + 1)
 ``lat_ratio_k`` (k ∈ D)    log(step time at depth k / at depth 0) for the current batch-size
-                           bucket (nearest bucket with both, else 0), clipped to ±2
+                           bucket (else the running ratio over buckets; 0 if never), ±2
 ``lat_stale_k`` (k ∈ D)    1 − exp(−steps since depth k was last observed / 200)
 ``goodput_k`` (k ∈ D)      log(tokens_k·(k+1) / latency ratio), expected tokens per second
                            relative to depth 0, clipped to ±2
@@ -56,10 +56,10 @@ ACCEPT_DECAY = 0.9  # per record: about the last 10 steps of a batch count
 FAST, SLOW = 0.3, 0.03
 LAT_ALPHA = 0.2
 
-_LOG_257 = math.log1p(256.0)
-_LOG_CTX = math.log1p(32768.0)
-_LOG_PREFILL = math.log1p(8192.0)
-_LOG_MS = math.log1p(1000.0)
+_INV_LOG_257 = 1.0 / math.log1p(256.0)
+_INV_LOG_CTX = 1.0 / math.log1p(32768.0)
+_INV_LOG_PREFILL = 1.0 / math.log1p(8192.0)
+_INV_LOG_MS = 1.0 / math.log1p(1000.0)
 
 
 def bs_bucket(bs: int) -> int:
@@ -91,8 +91,16 @@ class Featurizer:
         n = len(depths)
         k = self.max_depth
         self.feature_names: list[str] = [
-            "bs", "waiting", "queue_frac", "ctx_per_req", "kv_usage", "prefill", "step_ms",
-            "bs_trend", "accept_trend", "spec_staleness",
+            "bs",
+            "waiting",
+            "queue_frac",
+            "ctx_per_req",
+            "kv_usage",
+            "prefill",
+            "step_ms",
+            "bs_trend",
+            "accept_trend",
+            "spec_staleness",
         ]
         self.feature_names += [f"depth={d}" for d in depths]
         self.feature_names += [f"p_accept_{i}" for i in range(1, k + 1)]
@@ -111,6 +119,7 @@ class Featurizer:
         self._acc = [0.0] * (k + 1)  # decayed count of requests that accepted position i
         self._tried = [0.0] * (k + 1)  # decayed count of requests that reached position i
         self._lat = [[0.0] * self._n for _ in range(N_BS_BUCKETS)]  # EMA step_us; 0 = unknown
+        self._ratio = [1.0] + [0.0] * (self._n - 1)  # EMA of latency / smallest-depth latency
         self._last_seen = [-(10**9)] * self._n
         self._last_spec = -(10**9)
         self._step_ms = 0.0
@@ -118,7 +127,7 @@ class Featurizer:
         self._bs_fast = self._bs_slow = 0.0
         self._acc_fast = self._acc_slow = 0.0
         self._last: Step | None = None
-        self._obs = np.zeros(self.obs_dim, dtype=np.float32)
+        self._accept_block: tuple[list[float], list[float]] | None = None
 
     # ------------------------------------------------------------------ estimates
 
@@ -139,110 +148,123 @@ class Featurizer:
         return self._lat[bs_bucket(bs)][self._depth_index[depth]]
 
     def latency_ratio(self, depth: int, bs: int) -> float | None:
-        """Step time at ``depth`` / at depth 0 (or the smallest depth), from the nearest
-        batch-size bucket where both were observed; None if no bucket has both."""
+        """Step time at ``depth`` / at the smallest depth (0 = no speculation).
+
+        From the batch-size bucket of ``bs`` when both were observed there; else the running
+        ratio measured in any bucket where both were known; None if never measured.
+        """
         i = self._depth_index[depth]
-        b0 = bs_bucket(bs)
-        for off in range(N_BS_BUCKETS):
-            for b in (b0 - off, b0 + off) if off else (b0,):
-                if 0 <= b < N_BS_BUCKETS:
-                    row = self._lat[b]
-                    if row[i] > 0.0 and row[0] > 0.0:
-                        return row[i] / row[0]
-        return None
+        row = self._lat[bs_bucket(bs)]
+        if row[i] > 0.0 and row[0] > 0.0:
+            return row[i] / row[0]
+        r = self._ratio[i]
+        return r if r > 0.0 else None
 
     # ------------------------------------------------------------------ update
 
     def update(self, step: Step) -> np.ndarray:
-        """Fold one record in and return the observation (a fresh float32 array)."""
-        depth, bs = step.depth, step.bs
-        self.steps += 1
-        t = self.steps
-        di = self._depth_index.get(depth)
+        """Fold one record in and return the observation (a fresh float32 array).
 
-        # Acceptance per position: a request that accepted a drafts of d reached positions
-        # 1..min(a+1, d) and accepted 1..a. Decay first so old batches fade.
-        acc, tried = self._acc, self._tried
-        for i in range(1, self.max_depth + 1):
-            acc[i] *= ACCEPT_DECAY
-            tried[i] *= ACCEPT_DECAY
+        Written as one flat pass because it runs on the controller's hot path and inside every
+        simulator step; the acceptance block is recomputed only when a speculative step brings
+        new evidence.
+        """
+        depth, bs, step_us = step.depth, step.bs, step.step_us
+        self.steps = t = self.steps + 1
+        di = self._depth_index.get(depth)
+        b = bs.bit_length() - 1
+        row = self._lat[b if b < N_BS_BUCKETS else N_BS_BUCKETS - 1]
+
         if depth > 0 and step.accept:
-            accept = step.accept
+            # A request that accepted a of d drafts reached positions 1..min(a+1, d) and
+            # accepted 1..a. Decay per speculative step, so "recent" means recent batches.
+            acc, tried, accept = self._acc, self._tried, step.accept
+            for i in range(1, self.max_depth + 1):
+                acc[i] *= ACCEPT_DECAY
+                tried[i] *= ACCEPT_DECAY
             n_ge = bs  # requests with accept >= i-1, starting at i = 1
             for i in range(1, depth + 1):
-                n_eq = accept.count(i - 1)
                 tried[i] += n_ge
-                n_ge -= n_eq
+                n_ge -= accept.count(i - 1)
                 acc[i] += n_ge
             mean_frac = sum(accept) / (bs * depth)
             self._acc_fast += FAST * (mean_frac - self._acc_fast)
             self._acc_slow += SLOW * (mean_frac - self._acc_slow)
             self._last_spec = t
+            self._accept_block = None
 
         # Latency table per (bs bucket, depth); EMA so drift is followed.
-        if di is not None and step.step_us > 0:
-            row = self._lat[bs_bucket(bs)]
+        if di is not None and step_us > 0:
             old = row[di]
-            row[di] = float(step.step_us) if old == 0.0 else old + LAT_ALPHA * (step.step_us - old)
+            row[di] = float(step_us) if old == 0.0 else old + LAT_ALPHA * (step_us - old)
+            if di and row[0] > 0.0:
+                r, sample = self._ratio[di], step_us / row[0]
+                self._ratio[di] = sample if r == 0.0 else r + LAT_ALPHA * (sample - r)
             self._last_seen[di] = t
 
-        first = self._last is None
-        step_ms = step.step_us / 1000.0
-        self._step_ms = step_ms if first else self._step_ms + FAST * (step_ms - self._step_ms)
-        self._prefill = (
-            float(step.prefill_tokens) if first else self._prefill + FAST * (step.prefill_tokens - self._prefill)
-        )
-        bs_f = math.log1p(bs) / _LOG_257
-        if first:
+        bs_f = math.log1p(bs) * _INV_LOG_257
+        if self._last is None:
+            self._step_ms = step_us / 1000.0
+            self._prefill = float(step.prefill_tokens)
             self._bs_fast = self._bs_slow = bs_f
         else:
+            self._step_ms += FAST * (step_us / 1000.0 - self._step_ms)
+            self._prefill += FAST * (step.prefill_tokens - self._prefill)
             self._bs_fast += FAST * (bs_f - self._bs_fast)
             self._bs_slow += SLOW * (bs_f - self._bs_slow)
         self._last = step
-        return self._observe(step, bs_f)
 
-    def _observe(self, step: Step, bs_f: float) -> np.ndarray:
-        bs, t = step.bs, self.steps
-        out: list[float] = [
+        waiting = step.waiting
+        out = [
             bs_f,
-            math.log1p(step.waiting) / _LOG_257,
-            step.waiting / (bs + step.waiting),
-            math.log1p(step.ctx_tokens / bs) / _LOG_CTX,
+            math.log1p(waiting) * _INV_LOG_257,
+            waiting / (bs + waiting),
+            math.log1p(step.ctx_tokens / bs) * _INV_LOG_CTX,
             step.kv_usage,
-            math.log1p(self._prefill) / _LOG_PREFILL,
-            math.log1p(self._step_ms) / _LOG_MS,
+            math.log1p(self._prefill) * _INV_LOG_PREFILL,
+            math.log1p(self._step_ms) * _INV_LOG_MS,
             self._bs_fast - self._bs_slow,
             self._acc_fast - self._acc_slow,
-            1.0 - math.exp(-(t - self._last_spec) / 50.0),
+            1.0 - math.exp((self._last_spec - t) * 0.02),
         ]
         onehot = [0.0] * self._n
-        di = self._depth_index.get(step.depth)
         if di is not None:
             onehot[di] = 1.0
         out += onehot
 
-        probs = [self.accept_prob(i) for i in range(1, self.max_depth + 1)]
-        out += probs
-        # Expected tokens at every allowed depth from one running product over positions.
+        block = self._accept_block
+        if block is None:
+            block = self._accept_block = self._acceptance_features()
+        probs_and_tokens, tokens = block
+        out += probs_and_tokens
+
+        # Latency ratio per depth: current bucket if both known, else the running ratio.
+        lat_feats, good_feats = [], []
+        base_tok, lat0 = tokens[0], row[0]
+        ratio, log = self._ratio, math.log
+        for i in range(self._n):
+            r = row[i] / lat0 if row[i] > 0.0 and lat0 > 0.0 else ratio[i]
+            if r > 0.0:
+                x = log(r)
+                lat_feats.append(2.0 if x > 2.0 else -2.0 if x < -2.0 else x)
+                g = log(tokens[i] / base_tok / r)
+                good_feats.append(2.0 if g > 2.0 else -2.0 if g < -2.0 else g)
+            else:
+                lat_feats.append(0.0)
+                good_feats.append(0.0)
+        out += lat_feats
+        out += [1.0 - math.exp((seen - t) * 0.005) for seen in self._last_seen]
+        out += good_feats
+        return np.array(out, dtype=np.float32)
+
+    def _acceptance_features(self) -> tuple[list[float], list[float]]:
+        """``p_accept_i`` and ``tokens_k / (k+1)`` features, and expected tokens per depth."""
+        acc, tried, w, pw = self._acc, self._tried, PRIOR_WEIGHT, PRIOR_ACCEPT * PRIOR_WEIGHT
+        probs = [(acc[i] + pw) / (tried[i] + w) for i in range(1, self.max_depth + 1)]
         cum = [1.0] * (self.max_depth + 1)
         run = 1.0
         for i, p in enumerate(probs, start=1):
             run *= p
             cum[i] = cum[i - 1] + run
         tokens = [cum[d] for d in self.depths]
-        out += [tok / (d + 1) for tok, d in zip(tokens, self.depths)]
-
-        ratios = [self.latency_ratio(d, bs) for d in self.depths]
-        out += [0.0 if r is None else _clip(math.log(r), 2.0) for r in ratios]
-        out += [1.0 - math.exp(-(t - seen) / 200.0) for seen in self._last_seen]
-        base = tokens[0]
-        out += [
-            0.0 if r is None else _clip(math.log(tok / base / r), 2.0) for tok, r in zip(tokens, ratios)
-        ]
-        obs = self._obs
-        obs[:] = out
-        return obs.copy()
-
-
-def _clip(x: float, bound: float) -> float:
-    return bound if x > bound else -bound if x < -bound else x
+        return probs + [tok / (d + 1) for tok, d in zip(tokens, self.depths)], tokens

@@ -48,7 +48,9 @@ class StaticPolicy:
 
     def __init__(self, depth: int, depths: tuple[int, ...]) -> None:
         if depth not in depths:
-            raise PolicyLoadError(f"static:{depth}: depth {depth} is not one of the allowed depths {list(depths)}")
+            raise PolicyLoadError(
+                f"static:{depth}: depth {depth} is not one of the allowed depths {list(depths)}"
+            )
         self.name = f"static:{depth}"
         self._action = depths.index(depth)
 
@@ -110,7 +112,7 @@ def make_factory(spec: str, depths: Sequence[int] | None = None) -> PolicyFactor
     depths; builtins adapt to any).
     """
     if spec.startswith("builtin:"):
-        name = spec[len("builtin:"):]
+        name = spec[len("builtin:") :]
         _load_builtins()
         for prefix, make in _REGISTRY.items():
             if name == prefix or (prefix.endswith(":") and name.startswith(prefix)):
