@@ -33,6 +33,7 @@ code                 meaning
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgpack
@@ -334,7 +335,7 @@ def parse_error(wire: dict[str, Any]) -> Error:
     return Error(code=code[:64], msg=_text(wire, "msg", MAX_TEXT_CHARS))
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "hello": parse_hello,
     "step": parse_step,
     "welcome": parse_welcome,

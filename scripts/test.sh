@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up (if needed), lint, type-check and run the whole test suite, slow tests included.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+VENV=${SPECDEPTH_VENV:-.venv}
+echo "== ruff"
+"$VENV/bin/ruff" check controller env agents sglang_hook tests bench
+echo "== mypy"
+"$VENV/bin/mypy" --no-error-summary controller/protocol.py controller/features.py controller/policy.py
+echo "== pytest"
+exec "$VENV/bin/python" -m pytest -q -rs "$@"
