@@ -1,0 +1,395 @@
+"""Serve an SB3 PPO zip without SB3: read it safely, check it fits, evaluate its MLP in numpy.
+
+Why not ``PPO.load(...).predict``: ``load`` unpickles the zip's ``data`` (arbitrary code from a
+file), and ``predict`` costs ≈200 µs per call here against ≈7 µs for the same two small
+matrix products in numpy. So the loader reads only
+
+- ``specdepth.json`` — our own metadata, written next to SB3's files by
+  :func:`write_metadata` (``controller train`` does it): the allowed depths, the Featurizer
+  version, ``obs_dim`` and feature names, the net architecture and activation;
+- ``data`` — SB3's JSON, parsed as JSON only (its ``:serialized:`` pickles are never
+  touched), to cross-check the observation and action space sizes;
+- ``policy.pth`` — the state dict, with ``torch.load(weights_only=True)``.
+
+A zip trained for other depths, another Featurizer version or another observation size is
+refused with a :class:`~controller.errors.PolicyLoadError` that says what differs.
+
+The served action is the deterministic one (``predict(obs, deterministic=True)``): the argmax
+of the policy head's logits.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from controller.errors import PolicyLoadError
+from controller.features import FEATURIZER_VERSION, Featurizer
+from controller.protocol import Step
+
+META_NAME: Final = "specdepth.json"
+META_FORMAT: Final = 1
+ACTIVATIONS: Final = ("tanh", "relu")
+MAX_ZIP_MEMBER_BYTES: Final = 64 * 1024 * 1024  # a 2×64 policy is ~50 KB; refuse zip bombs
+
+
+@dataclass(frozen=True)
+class PPOMeta:
+    """What a PPO zip was trained for; stored as ``specdepth.json`` inside the zip.
+
+    Attributes:
+        depths: the allowed draft depths; action i means depth ``depths[i]``.
+        featurizer_version: :data:`controller.features.FEATURIZER_VERSION` at training.
+        obs_dim: length of one Featurizer observation.
+        feature_names: the Featurizer's names, one per observation entry.
+        net_arch: hidden layer widths of the policy MLP.
+        activation: ``"tanh"`` or ``"relu"``.
+        frame_stack: how many consecutive observations (oldest first) form the MLP input.
+        extra: free-form training provenance (seed, timesteps, sim), not checked.
+    """
+
+    depths: tuple[int, ...]
+    featurizer_version: int
+    obs_dim: int
+    feature_names: tuple[str, ...]
+    net_arch: tuple[int, ...]
+    activation: str = "tanh"
+    frame_stack: int = 1
+    extra: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": META_FORMAT,
+                "depths": list(self.depths),
+                "featurizer_version": self.featurizer_version,
+                "obs_dim": self.obs_dim,
+                "feature_names": list(self.feature_names),
+                "net_arch": list(self.net_arch),
+                "activation": self.activation,
+                "frame_stack": self.frame_stack,
+                "extra": self.extra or {},
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> PPOMeta:
+        try:
+            raw = json.loads(text)
+            if raw.get("format") != META_FORMAT:
+                raise PolicyLoadError(
+                    f"{META_NAME} has format {raw.get('format')!r}; this controller reads format {META_FORMAT}"
+                )
+            meta = cls(
+                depths=tuple(int(d) for d in raw["depths"]),
+                featurizer_version=int(raw["featurizer_version"]),
+                obs_dim=int(raw["obs_dim"]),
+                feature_names=tuple(str(n) for n in raw["feature_names"]),
+                net_arch=tuple(int(w) for w in raw["net_arch"]),
+                activation=str(raw.get("activation", "tanh")),
+                frame_stack=int(raw.get("frame_stack", 1)),
+                extra=dict(raw.get("extra") or {}),
+            )
+        except PolicyLoadError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise PolicyLoadError(f"{META_NAME} is malformed: {type(exc).__name__}: {exc}") from None
+        if meta.activation not in ACTIVATIONS:
+            raise PolicyLoadError(f"{META_NAME}: activation {meta.activation!r} is not one of {ACTIVATIONS}")
+        if meta.frame_stack < 1:
+            raise PolicyLoadError(f"{META_NAME}: frame_stack must be ≥ 1, got {meta.frame_stack}")
+        return meta
+
+
+def meta_for(
+    depths: Sequence[int],
+    net_arch: Sequence[int],
+    activation: str = "tanh",
+    frame_stack: int = 1,
+    extra: dict[str, Any] | None = None,
+) -> PPOMeta:
+    """The metadata of a policy trained on this checkout's Featurizer for ``depths``."""
+    feat = Featurizer(depths)
+    return PPOMeta(
+        depths=tuple(int(d) for d in depths),
+        featurizer_version=FEATURIZER_VERSION,
+        obs_dim=feat.obs_dim,
+        feature_names=tuple(feat.feature_names),
+        net_arch=tuple(int(w) for w in net_arch),
+        activation=activation,
+        frame_stack=frame_stack,
+        extra=extra,
+    )
+
+
+def write_metadata(zip_path: str | Path, meta: PPOMeta) -> None:
+    """Add (or replace) ``specdepth.json`` in an SB3 zip saved by ``model.save``."""
+    zip_path = Path(zip_path)
+    with zipfile.ZipFile(zip_path) as zf:
+        members = {name: zf.read(name) for name in zf.namelist() if name != META_NAME}
+    tmp = zip_path.with_suffix(zip_path.suffix + ".tmp")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+        zf.writestr(META_NAME, meta.to_json())
+    tmp.replace(zip_path)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _read_member(zf: zipfile.ZipFile, name: str, path: Path) -> bytes:
+    try:
+        info = zf.getinfo(name)
+    except KeyError:
+        raise PolicyLoadError(f"{path}: no {name} inside the zip") from None
+    if info.file_size > MAX_ZIP_MEMBER_BYTES:
+        raise PolicyLoadError(f"{path}: {name} is {info.file_size} bytes, more than a policy can be")
+    return zf.read(name)
+
+
+def _space_sizes(data: dict[str, Any]) -> tuple[int | None, int | None]:
+    """Observation length and action count from SB3's ``data`` JSON, reading only plain fields."""
+    obs_dim = n_actions = None
+    obs = data.get("observation_space")
+    if isinstance(obs, dict):
+        shape = obs.get("_shape")
+        if isinstance(shape, list) and len(shape) == 1:
+            obs_dim = int(shape[0])
+    act = data.get("action_space")
+    if isinstance(act, dict) and "n" in act:
+        try:
+            n_actions = int(str(act["n"]))
+        except ValueError:
+            pass
+    return obs_dim, n_actions
+
+
+class MLP:
+    """The policy head of an SB3 ``ActorCriticPolicy`` (MlpPolicy), evaluated in numpy.
+
+    Args:
+        weights: ``(W, b)`` per hidden layer, then the action head, as float32 arrays with
+            ``W`` of shape (out, in) like ``torch.nn.Linear``.
+        activation: ``"tanh"`` or ``"relu"`` for the hidden layers.
+    """
+
+    def __init__(self, weights: list[tuple[np.ndarray, np.ndarray]], activation: str) -> None:
+        # Transposed and contiguous once, so act() is x @ W + b with no copies.
+        self._layers = [
+            (np.ascontiguousarray(w.T, dtype=np.float32), b.astype(np.float32)) for w, b in weights
+        ]
+        self._relu = activation == "relu"
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Action logits for one observation (1-D) or a batch (2-D)."""
+        h = np.asarray(x, dtype=np.float32)
+        last = len(self._layers) - 1
+        for i, (w, b) in enumerate(self._layers):
+            h = h @ w + b
+            if i < last:
+                h = np.maximum(h, 0.0) if self._relu else np.tanh(h)
+        return h
+
+    def act(self, x: np.ndarray) -> int:
+        """The deterministic action: argmax of the logits."""
+        return int(np.argmax(self.logits(x)))
+
+
+def _load_weights(sd: dict[str, Any], meta: PPOMeta, path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    hidden = sorted(
+        int(k.split(".")[2])
+        for k in sd
+        if k.startswith("mlp_extractor.policy_net.") and k.endswith(".weight")
+    )
+    names = [f"mlp_extractor.policy_net.{i}" for i in hidden] + ["action_net"]
+    layers: list[tuple[np.ndarray, np.ndarray]] = []
+    for name in names:
+        w, b = sd.get(f"{name}.weight"), sd.get(f"{name}.bias")
+        if w is None or b is None:
+            raise PolicyLoadError(f"{path}: policy.pth has no {name}.weight/bias (not an SB3 MlpPolicy?)")
+        layers.append((w.detach().cpu().float().numpy(), b.detach().cpu().float().numpy()))
+    widths = tuple(w.shape[0] for w, _ in layers[:-1])
+    if widths != meta.net_arch:
+        raise PolicyLoadError(
+            f"{path}: policy.pth has hidden widths {list(widths)}, {META_NAME} says {list(meta.net_arch)}"
+        )
+    in_dim = layers[0][0].shape[1]
+    if in_dim != meta.obs_dim * meta.frame_stack:
+        raise PolicyLoadError(
+            f"{path}: the policy's input has {in_dim} entries, but obs_dim {meta.obs_dim} × "
+            f"frame_stack {meta.frame_stack} = {meta.obs_dim * meta.frame_stack}"
+        )
+    for (w_prev, _), (w, _) in zip(layers, layers[1:]):
+        if w.shape[1] != w_prev.shape[0]:
+            raise PolicyLoadError(
+                f"{path}: policy.pth layer shapes do not chain ({w_prev.shape} then {w.shape})"
+            )
+    n_out = layers[-1][0].shape[0]
+    if n_out != len(meta.depths):
+        raise PolicyLoadError(
+            f"{path}: the action head has {n_out} outputs for {len(meta.depths)} depths {list(meta.depths)}"
+        )
+    return layers
+
+
+def read_ppo_zip(path: str | Path) -> tuple[PPOMeta, MLP]:
+    """Read a PPO zip without unpickling anything; raises :class:`PolicyLoadError`.
+
+    Checks that the zip is internally consistent (metadata vs SB3's spaces vs the weights);
+    checking it against a live Featurizer and depths is :func:`check_compatible`'s job.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PolicyLoadError(f"{path}: no such policy file")
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise PolicyLoadError(f"{path}: not a zip file ({exc})") from None
+    with zf:
+        if META_NAME not in zf.namelist():
+            raise PolicyLoadError(
+                f"{path}: no {META_NAME} inside, so its depths and Featurizer version are unknown; "
+                "train it with `controller train` (or add the metadata with controller.ppo_policy.write_metadata)"
+            )
+        meta = PPOMeta.from_json(_read_member(zf, META_NAME, path))
+        try:
+            data = json.loads(_read_member(zf, "data", path))
+        except ValueError:
+            raise PolicyLoadError(f"{path}: SB3's data member is not JSON") from None
+        pth = _read_member(zf, "policy.pth", path)
+    obs_dim, n_actions = _space_sizes(data if isinstance(data, dict) else {})
+    if obs_dim is not None and obs_dim != meta.obs_dim * meta.frame_stack:
+        raise PolicyLoadError(
+            f"{path}: SB3's observation space has {obs_dim} entries, {META_NAME} says "
+            f"{meta.obs_dim} × frame_stack {meta.frame_stack}"
+        )
+    if n_actions is not None and n_actions != len(meta.depths):
+        raise PolicyLoadError(
+            f"{path}: SB3's action space has {n_actions} actions for depths {list(meta.depths)}"
+        )
+    import torch  # lazily: `controller --help` and builtin policies do not need torch
+
+    try:
+        sd = torch.load(io.BytesIO(pth), map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only raises UnpicklingError for anything but tensors
+        raise PolicyLoadError(
+            f"{path}: policy.pth is not a plain tensor state dict ({type(exc).__name__})"
+        ) from None
+    if not isinstance(sd, dict):
+        raise PolicyLoadError(f"{path}: policy.pth does not hold a state dict")
+    return meta, MLP(_load_weights(sd, meta, path), meta.activation)
+
+
+def check_compatible(meta: PPOMeta, depths: Sequence[int], where: str = "policy") -> None:
+    """Refuse a policy whose depths, Featurizer version or observation differ from this
+    checkout's Featurizer for ``depths``; the message lists every difference."""
+    depths = tuple(int(d) for d in depths)
+    problems: list[str] = []
+    if meta.depths != depths:
+        problems.append(f"trained for depths {list(meta.depths)}, the instance allows {list(depths)}")
+    if meta.featurizer_version != FEATURIZER_VERSION:
+        problems.append(
+            f"trained on Featurizer version {meta.featurizer_version}, this controller runs version {FEATURIZER_VERSION}"
+        )
+    if not problems:
+        feat = Featurizer(depths)
+        if meta.obs_dim != feat.obs_dim:
+            problems.append(f"observations of {meta.obs_dim} entries, the Featurizer makes {feat.obs_dim}")
+        elif tuple(feat.feature_names) != meta.feature_names:
+            diff = [
+                f"{i}: {a!r} vs {b!r}"
+                for i, (a, b) in enumerate(zip(meta.feature_names, feat.feature_names))
+                if a != b
+            ]
+            problems.append(f"feature names differ at {', '.join(diff[:3])}")
+    if problems:
+        raise PolicyLoadError(f"{where} does not fit: " + "; ".join(problems))
+
+
+class PPOPolicy:
+    """A loaded PPO MLP behind the :class:`controller.policy.Policy` interface.
+
+    Stateless unless ``frame_stack > 1``, in which case it keeps the last observations of its
+    own instance (one policy object per instance, made by the factory).
+    """
+
+    def __init__(self, name: str, mlp: MLP, meta: PPOMeta) -> None:
+        self.name = name
+        self.meta = meta
+        self._mlp = mlp
+        self._k = meta.frame_stack
+        self._stack: np.ndarray | None = None
+
+    def reset(self) -> None:
+        self._stack = None
+
+    def act(self, obs: np.ndarray, step: Step) -> int:
+        if self._k == 1:
+            return self._mlp.act(obs)
+        n = self.meta.obs_dim
+        if self._stack is None:
+            # Like a frame-stacking wrapper at reset: the first observation fills every slot.
+            self._stack = np.tile(np.asarray(obs, dtype=np.float32), self._k)
+        else:
+            self._stack[:-n] = self._stack[n:]
+            self._stack[-n:] = obs
+        return self._mlp.act(self._stack)
+
+    def logits(self, obs: np.ndarray) -> np.ndarray:
+        """Logits of one observation (frame_stack 1 only); for tests and diagnostics."""
+        return self._mlp.logits(obs)
+
+
+class PPOFactory:
+    """Makes one :class:`PPOPolicy` per instance, all sharing the loaded weights."""
+
+    def __init__(self, path: Path, meta: PPOMeta, mlp: MLP) -> None:
+        self.path = path
+        self.meta = meta
+        self.name = f"ppo:{path.name}"
+        self._mlp = mlp
+
+    def __call__(self, depths: tuple[int, ...]) -> PPOPolicy:
+        check_compatible(self.meta, depths, where=str(self.path))
+        return PPOPolicy(self.name, self._mlp, self.meta)
+
+
+def load_ppo_factory(path: str | Path, depths: Sequence[int] | None = None) -> PPOFactory:
+    """Load a PPO zip for serving; raises :class:`PolicyLoadError` with what is wrong.
+
+    Args:
+        path: an SB3 PPO zip written by ``controller train`` (with ``specdepth.json``).
+        depths: when given, the zip must have been trained for exactly these depths.
+
+    Returns:
+        A factory making one policy per instance; it refuses instances whose ``hello``
+        announces other depths.
+    """
+    path = Path(path)
+    meta, mlp = read_ppo_zip(path)
+    # The Featurizer version and observation layout must match whatever the depths are.
+    check_compatible(meta, meta.depths if depths is None else depths, where=str(path))
+    return PPOFactory(path, meta, mlp)
+
+
+__all__ = [
+    "META_NAME",
+    "MLP",
+    "PPOFactory",
+    "PPOMeta",
+    "PPOPolicy",
+    "check_compatible",
+    "load_ppo_factory",
+    "meta_for",
+    "read_ppo_zip",
+    "write_metadata",
+]

@@ -1,0 +1,249 @@
+"""The PPO zip loader: numpy MLP == SB3 predict, mismatches refused, nothing unpickled."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pickle
+import random
+import zipfile
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from controller.errors import PolicyLoadError
+from controller.features import Featurizer
+from controller.policy import make_factory
+from controller.ppo_policy import META_NAME, PPOMeta, load_ppo_factory, meta_for, read_ppo_zip, write_metadata
+from controller.protocol import Step
+
+DEPTHS = (0, 1, 2, 3, 5)
+
+
+class _SpacesOnly(gym.Env):
+    """An env with the Featurizer's spaces: enough for SB3 to build and save a policy."""
+
+    def __init__(self, obs_dim: int, n: int) -> None:
+        self.observation_space = spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
+        self.action_space = spaces.Discrete(n)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(self.observation_space.shape, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(self.observation_space.shape, np.float32), 0.0, False, False, {}
+
+
+def _save_model(tmp_path: Path, depths=DEPTHS, activation: str = "tanh", arch=(64, 64), seed: int = 0):
+    from stable_baselines3 import PPO
+
+    feat = Featurizer(depths)
+    act_fn = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU}[activation]
+    model = PPO(
+        "MlpPolicy",
+        _SpacesOnly(feat.obs_dim, len(depths)),
+        policy_kwargs={"net_arch": list(arch), "activation_fn": act_fn},
+        n_steps=64,
+        seed=seed,
+        device="cpu",
+    )
+    # Untrained heads are near-uniform; spread the weights so argmax is decided by the input.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.policy.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
+    path = tmp_path / f"ppo-{activation}.zip"
+    model.save(path)
+    write_metadata(path, meta_for(depths, arch, activation))
+    return model, path
+
+
+def _observations(depths=DEPTHS, n: int = 3000, seed: int = 0) -> np.ndarray:
+    """Real Featurizer outputs from a random step stream, plus Gaussian noise rows."""
+    rng = random.Random(seed)
+    feat = Featurizer(depths)
+    rows = []
+    for seq in range(1, n // 2 + 1):
+        d = rng.choice(depths)
+        bs = rng.randint(1, 250)
+        accept = [rng.randint(0, d) for _ in range(bs)] if d else []
+        step = Step(
+            "i",
+            seq,
+            d,
+            bs,
+            rng.randint(0, 50),
+            accept,
+            rng.randint(3000, 90000),
+            bs * rng.randint(100, 8000),
+            rng.random(),
+            rng.randint(0, 4000),
+            seq,
+        )
+        rows.append(feat.update(step))
+    noise = np.random.default_rng(seed).normal(0, 1.5, (n - len(rows), feat.obs_dim)).astype(np.float32)
+    return np.vstack([np.array(rows), noise])
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+def test_numpy_mlp_picks_the_same_action_as_sb3_predict(tmp_path, activation):
+    model, path = _save_model(tmp_path, activation=activation)
+    obs = _observations()
+    expected, _ = model.predict(obs, deterministic=True)
+    policy = load_ppo_factory(path, DEPTHS)(DEPTHS)
+    dummy = Step("i", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1)
+    got = np.array([policy.act(o, dummy) for o in obs])
+    assert len(set(expected.tolist())) > 2, "the test network should use several actions"
+    assert (got == expected).mean() == 1.0
+    # And the log-probabilities themselves agree with torch's to float32 precision.
+    with torch.no_grad():
+        ref = model.policy.get_distribution(torch.as_tensor(obs[:50])).distribution.logits.numpy()
+    ours = policy.logits(obs[:50])
+    np.testing.assert_allclose(ours - np.log(np.exp(ours).sum(1, keepdims=True)), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_factory_through_make_factory_and_metadata_round_trip(tmp_path):
+    _, path = _save_model(tmp_path)
+    factory = make_factory(str(path), DEPTHS)
+    assert factory.name.startswith("ppo:")
+    meta, _ = read_ppo_zip(path)
+    assert meta.depths == DEPTHS and meta.net_arch == (64, 64) and meta.obs_dim == Featurizer(DEPTHS).obs_dim
+
+
+def test_zip_for_other_depths_is_refused_with_both_lists(tmp_path):
+    _, path = _save_model(tmp_path)
+    with pytest.raises(
+        PolicyLoadError, match=r"trained for depths \[0, 1, 2, 3, 5\], the instance allows \[0, 1, 2, 3\]"
+    ):
+        load_ppo_factory(path, (0, 1, 2, 3))
+    factory = load_ppo_factory(path)
+    with pytest.raises(PolicyLoadError, match="trained for depths"):
+        factory((0, 2, 4))  # an instance whose hello announces other depths
+
+
+def _rewrite_meta(path: Path, **changes) -> None:
+    with zipfile.ZipFile(path) as zf:
+        raw = json.loads(zf.read(META_NAME))
+    raw.update(changes)
+    members = {}
+    with zipfile.ZipFile(path) as zf:
+        members = {n: zf.read(n) for n in zf.namelist() if n != META_NAME}
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, d in members.items():
+            zf.writestr(n, d)
+        zf.writestr(META_NAME, json.dumps(raw))
+
+
+def test_other_featurizer_version_is_refused(tmp_path):
+    _, path = _save_model(tmp_path)
+    _rewrite_meta(path, featurizer_version=99)
+    with pytest.raises(PolicyLoadError, match="Featurizer version 99, this controller runs version 1"):
+        load_ppo_factory(path, DEPTHS)
+
+
+def test_other_feature_layout_is_refused(tmp_path):
+    _, path = _save_model(tmp_path)
+    names = Featurizer(DEPTHS).feature_names
+    _rewrite_meta(path, feature_names=[names[1], names[0], *names[2:]])
+    with pytest.raises(PolicyLoadError, match="feature names differ at 0: 'waiting' vs 'bs'"):
+        load_ppo_factory(path, DEPTHS)
+
+
+def test_weights_that_disagree_with_the_metadata_are_refused(tmp_path):
+    _, path = _save_model(tmp_path, arch=(32, 32))
+    _rewrite_meta(path, net_arch=[64, 64])
+    with pytest.raises(PolicyLoadError, match=r"hidden widths \[32, 32\]"):
+        load_ppo_factory(path, DEPTHS)
+
+
+def test_plain_sb3_zip_without_metadata_is_refused(tmp_path):
+    model, path = _save_model(tmp_path)
+    model.save(tmp_path / "plain.zip")
+    with pytest.raises(PolicyLoadError, match=f"no {META_NAME} inside"):
+        load_ppo_factory(tmp_path / "plain.zip", DEPTHS)
+    with pytest.raises(PolicyLoadError, match="no such policy file"):
+        load_ppo_factory(tmp_path / "missing.zip", DEPTHS)
+    (tmp_path / "junk.zip").write_bytes(b"not a zip")
+    with pytest.raises(PolicyLoadError, match="not a zip"):
+        load_ppo_factory(tmp_path / "junk.zip", DEPTHS)
+
+
+class _Boom:
+    """Unpickling this runs os.system: the loader must never do it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_never_unpickles(tmp_path):
+    _, path = _save_model(tmp_path)
+    marker = tmp_path / "pwned"
+    payload = base64.b64encode(pickle.dumps(_Boom(marker))).decode()
+    with zipfile.ZipFile(path) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    data = json.loads(members["data"])
+    data["observation_space"][":serialized:"] = payload  # what SB3's load would unpickle
+    data["policy_class"] = {":type:": "<class 'x'>", ":serialized:": payload}
+    members["data"] = json.dumps(data).encode()
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, d in members.items():
+            zf.writestr(n, d)
+    load_ppo_factory(path, DEPTHS)  # loads fine: the pickles are never read
+    assert not marker.exists()
+
+    # A policy.pth that is a pickle of code, not tensors, is refused, and nothing runs.
+    buf = io.BytesIO()
+    torch.save({"mlp_extractor.policy_net.0.weight": _Boom(marker)}, buf)
+    members["policy.pth"] = buf.getvalue()
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, d in members.items():
+            zf.writestr(n, d)
+    with pytest.raises(PolicyLoadError, match="not a plain tensor state dict"):
+        load_ppo_factory(path, DEPTHS)
+    assert not marker.exists()
+
+
+def test_frame_stacked_policy_stacks_its_own_observations(tmp_path):
+    from stable_baselines3 import PPO
+
+    feat = Featurizer(DEPTHS)
+    model = PPO(
+        "MlpPolicy",
+        _SpacesOnly(feat.obs_dim * 3, len(DEPTHS)),
+        policy_kwargs={"net_arch": [16]},
+        n_steps=64,
+        seed=0,
+        device="cpu",
+    )
+    with torch.no_grad():
+        for p in model.policy.parameters():
+            p.normal_(0, 0.7)
+    path = tmp_path / "stack.zip"
+    model.save(path)
+    write_metadata(path, meta_for(DEPTHS, (16,), frame_stack=3))
+    policy = load_ppo_factory(path, DEPTHS)(DEPTHS)
+    obs = _observations(n=40)[:20]
+    dummy = Step("i", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1)
+    history = [obs[0], obs[0]]
+    for o in obs:
+        history.append(o)
+        stacked = np.concatenate(history[-3:])
+        expected, _ = model.predict(stacked, deterministic=True)
+        assert policy.act(o, dummy) == int(expected)
+
+
+def test_meta_json_round_trip():
+    meta = meta_for(DEPTHS, (64, 64), extra={"seed": 3})
+    assert PPOMeta.from_json(meta.to_json()) == meta
+    with pytest.raises(PolicyLoadError, match="malformed"):
+        PPOMeta.from_json('{"format": 1}')
