@@ -1,0 +1,626 @@
+"""``controller serve``: one ROUTER socket, any number of SGLang replicas, one decision per step.
+
+Per message, in this order (the hook is waiting on the first half):
+
+1. receive → decode → validate → featurize (one :class:`~controller.features.Featurizer` per
+   instance) → policy (one :class:`~controller.policy.Policy` per instance) → send ``decision``;
+2. then record (``--record DIR``, see :mod:`controller.traces`) and count (metrics).
+
+Bad input never stops the server and never touches another instance's state: every refused
+frame gets the documented ``error`` reply (:mod:`controller.protocol`) and a count in
+``specdepth_errors_total{code}``. Memory stays bounded: at most ``max_instances`` sessions
+are kept (the least recently active one is evicted for a new ``hello``; its hook simply gets
+``unknown_instance`` and says ``hello`` again).
+
+Sessions: a ``hello`` (re)starts its instance's session — a fresh Featurizer and policy state,
+``seq`` may start over — and is answered by ``welcome``. The recording of an instance goes
+to one file per session of the server process (a re-``hello`` continues the same file).
+
+Recording flush policy: records are handed to the OS whenever the socket has been drained,
+and at the latest every :data:`FLUSH_EVERY` messages, so a ``kill -9`` loses at most the
+burst being handled (whatever was flushed reads back; see :mod:`controller.traces`).
+
+Security: the socket binds ``ipc://`` or a loopback ``tcp://`` address; any other address
+needs ``--curve-secret-key-file`` (ZeroMQ CURVE encryption; hooks then need the server's
+public key). The service never unpickles: frames are msgpack, policies are read by
+:mod:`controller.ppo_policy` with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from controller.errors import ConfigError, ControllerError, PolicyLoadError
+from controller.features import FEATURIZER_VERSION, Featurizer
+from controller.metrics import ServiceStats
+from controller.policy import Policy, PolicyFactory, make_factory
+from controller.protocol import (
+    DEFAULT_ENDPOINT,
+    PROTOCOL_VERSION,
+    TO_HOOK,
+    ProtocolError,
+    check_step,
+    parse_hello,
+    parse_step,
+    unpack,
+)
+from controller.traces import TraceWriter, add_rx
+
+log = logging.getLogger("controller.service")
+
+FLUSH_EVERY = 256  # messages handled between two trace flushes under sustained load
+POLL_MS = 100
+_SEND_MORE = zmq.NOBLOCK | zmq.SNDMORE  # how often the loop wakes up to notice a stop request when idle
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``controller serve`` needs.
+
+    Attributes:
+        policy: ``builtin:NAME`` or the path of a PPO zip.
+        bind: the ROUTER endpoint (``ipc://PATH``, ``tcp://127.0.0.1:PORT``; ``PORT`` may be
+            ``*`` for a free one).
+        record: trace folder, or None for no recording.
+        metrics_port: Prometheus text endpoint on ``127.0.0.1:PORT``, or None.
+        max_instances: sessions kept at once; the least recently active is evicted beyond.
+        curve_secret_key_file: a file holding the server's Z85 CURVE secret key (40 chars);
+            required for a non-loopback ``tcp://`` bind.
+        trace_flush_bytes: pending trace bytes that force a flush between drains.
+        latency_log: write every decision latency (ns, int64 little-endian) here at exit,
+            for ``bench/``; None in production.
+    """
+
+    policy: str
+    bind: str = DEFAULT_ENDPOINT
+    record: str | None = None
+    metrics_port: int | None = None
+    max_instances: int = 1024
+    curve_secret_key_file: str | None = None
+    trace_flush_bytes: int = 1 << 16
+    latency_log: str | None = None
+
+
+# --------------------------------------------------------------------------- endpoint checks
+
+
+def check_endpoint(endpoint: str, curve: bool) -> None:
+    """Refuse endpoints that cannot work or would be exposed without CURVE.
+
+    Raises:
+        ConfigError: unknown transport, malformed address, a non-loopback ``tcp://`` address
+            without CURVE keys, or an ``ipc://`` socket another live process is serving.
+    """
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or not rest:
+        raise ConfigError(f"bad endpoint {endpoint!r}: expected ipc://PATH or tcp://127.0.0.1:PORT")
+    if scheme == "inproc":
+        return
+    if scheme == "ipc":
+        _check_ipc(rest, endpoint)
+        return
+    if scheme != "tcp":
+        raise ConfigError(f"bad endpoint {endpoint!r}: transport {scheme!r} is not ipc or tcp")
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not (port == "*" or (port.isdigit() and 0 < int(port) < 65536)):
+        raise ConfigError(f"bad endpoint {endpoint!r}: expected tcp://HOST:PORT with PORT in 1..65535 or *")
+    if not curve and not _is_loopback(host.strip("[]")):
+        raise ConfigError(
+            f"refusing to bind {endpoint!r} without encryption: bind ipc:// or tcp://127.0.0.1:PORT, "
+            "or give --curve-secret-key-file to serve other hosts"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, an interface or '*': may reach other hosts
+
+
+def _check_ipc(path: str, endpoint: str) -> None:
+    if path.startswith("@"):
+        return  # Linux abstract namespace: ZeroMQ reports a clash itself
+    if len(path.encode()) > 107:
+        raise ConfigError(f"bad endpoint {endpoint!r}: ipc path longer than 107 bytes")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ConfigError(f"bad endpoint {endpoint!r}: folder {folder!r} does not exist")
+    if not os.path.exists(path):
+        return
+    # ZeroMQ silently replaces an existing ipc socket file, stealing a live server's address;
+    # probe it first: a refused connection means a stale file from a dead server.
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(path)
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return
+        raise ConfigError(f"cannot bind {endpoint!r}: {exc.strerror or exc}") from None
+    finally:
+        probe.close()
+    raise ConfigError(f"cannot bind {endpoint!r}: address in use (another controller is serving it)")
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+class _Session:
+    """One instance's live state."""
+
+    __slots__ = ("instance", "depths", "featurizer", "policy", "last_seq", "writer", "active")
+
+    def __init__(
+        self, instance: str, depths: tuple[int, ...], policy: Policy, writer: TraceWriter | None
+    ) -> None:
+        self.instance = instance
+        self.depths = depths
+        self.featurizer = Featurizer(depths)
+        self.policy = policy
+        self.last_seq: int | None = None
+        self.writer = writer
+        self.active = 0
+
+
+class Server:
+    """The controller service. Build it, then :meth:`serve_forever` until :meth:`stop`.
+
+    Args:
+        config: see :class:`ServeConfig`.
+        factory: a ready policy factory (tests, benches); default: ``make_factory(config.policy)``.
+
+    Raises:
+        PolicyLoadError: the policy spec cannot be served.
+        ConfigError: the endpoint, record folder or keys cannot be used.
+    """
+
+    def __init__(self, config: ServeConfig, factory: PolicyFactory | None = None) -> None:
+        self.config = config
+        self.factory = factory if factory is not None else load_policy(config.policy)
+        self.stats = ServiceStats()
+        self._sessions: dict[str, _Session] = {}
+        self._dirty: set[TraceWriter] = set()
+        self._tick = 0
+        self._stop = False
+        self._latencies: array[int] | None = array("q") if config.latency_log else None
+        self._record = Path(config.record) if config.record else None
+        if self._record is not None:
+            _check_record_dir(self._record)
+        secret = _read_curve_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
+        check_endpoint(config.bind, curve=secret is not None)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a peer sending more is disconnected by ZeroMQ
+        if secret is not None:
+            sock.curve_secretkey = secret
+            sock.curve_publickey = zmq.curve_public(secret)
+            sock.curve_server = True
+        try:
+            sock.bind(config.bind)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            self._ctx.term()
+            raise ConfigError(f"cannot bind {config.bind!r}: {exc.strerror}") from None
+        self._sock = sock
+        self.endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._metrics_server: Any = None
+        if config.metrics_port is not None:
+            from controller.metrics import start_metrics_server
+
+            try:
+                self._metrics_server = start_metrics_server(self.stats, config.metrics_port)
+            except OSError as exc:
+                self.close()
+                raise ConfigError(
+                    f"cannot serve metrics on 127.0.0.1:{config.metrics_port}: {exc.strerror or exc}"
+                ) from None
+
+    # ------------------------------------------------------------------ loop
+
+    def stop(self) -> None:
+        """Ask :meth:`serve_forever` to return (safe from a signal handler)."""
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop`; then flush and close everything."""
+        sock = self._sock
+        try:
+            while not self._stop:
+                if not sock.poll(POLL_MS):
+                    continue
+                self.drain()
+        finally:
+            self.close()
+
+    def drain(self, limit: int = FLUSH_EVERY) -> int:
+        """Handle up to ``limit`` pending messages without blocking, then flush traces."""
+        sock, handle = self._sock, self.handle
+        n = 0
+        while n < limit:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            handle(frames, time.monotonic_ns())
+            n += 1
+        if self._dirty:
+            self._flush()
+        return n
+
+    def handle(self, frames: list[bytes], rx_ns: int) -> None:
+        """Handle one ROUTER message ``[identity, frame...]``; never raises."""
+        self.stats.frames += 1
+        ident = frames[0]
+        try:
+            if len(frames) != 2:
+                raise ProtocolError("bad_msgpack", f"a message must be one frame, got {len(frames) - 1}")
+            frame = frames[1]
+            wire = unpack(frame)
+            t = wire.get("t")
+            if t == "step":
+                self._on_step(ident, frame, wire, rx_ns)
+            elif t == "hello":
+                self._on_hello(ident, frame, wire, rx_ns)
+            elif type(t) is str and t in TO_HOOK:
+                raise ProtocolError("wrong_direction", f"{t!r} is sent by the controller, not to it")
+            else:
+                raise ProtocolError("unknown_type", f"unknown message type {str(t)[:40]!r}")
+        except ProtocolError as exc:
+            self._reply_error(ident, exc.code, exc.msg)
+        except Exception as exc:  # a bug on a valid message: report it, keep serving everyone
+            log.exception("internal error handling a message")
+            self._reply_error(ident, "internal", f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    def _on_step(self, ident: bytes, frame: bytes, wire: dict[str, Any], rx_ns: int) -> None:
+        step = parse_step(wire)
+        session = self._sessions.get(step.instance)
+        if session is None:
+            raise ProtocolError("unknown_instance", f"no hello from {step.instance[:40]!r}; send hello")
+        check_step(step, session.depths, session.last_seq)
+        session.last_seq = step.seq
+        obs = session.featurizer.update(step)
+        action = session.policy.act(obs, step)
+        depths = session.depths
+        if not 0 <= action < len(depths):
+            raise RuntimeError(
+                f"policy {self.factory.name} answered action {action} for {len(depths)} depths"
+            )
+        depth = depths[action]
+        payload = msgpack.packb(
+            {
+                "t": "decision",
+                "v": PROTOCOL_VERSION,
+                "instance": step.instance,
+                "seq": step.seq,
+                "depth": depth,
+            }
+        )
+        self._send(ident, payload)
+        # Off the hook's critical path from here on.
+        tx_ns = time.monotonic_ns()
+        stats = self.stats
+        latency_ns = tx_ns - rx_ns
+        stats.observe_latency(latency_ns)
+        if self._latencies is not None:
+            self._latencies.append(latency_ns)
+        stats.steps += 1
+        stats.count_decision(depth)
+        self._tick += 1
+        session.active = self._tick
+        writer = session.writer
+        if writer is not None:
+            try:
+                writer.write_frame(frame, rx_ns)
+                writer.write_bytes(add_rx(payload, tx_ns))
+            except OSError as exc:
+                self._drop_writer(session, exc)
+            else:
+                self._dirty.add(writer)
+
+    def _on_hello(self, ident: bytes, frame: bytes, wire: dict[str, Any], rx_ns: int) -> None:
+        hello = parse_hello(wire)
+        try:
+            policy = self.factory(hello.depths)
+        except ControllerError as exc:  # e.g. a PPO zip trained for other depths
+            raise ProtocolError("bad_field", f"depths {list(hello.depths)} not servable: {exc}") from None
+        session = self._sessions.get(hello.instance)
+        if session is None:
+            if len(self._sessions) >= self.config.max_instances:
+                self._evict()
+            session = _Session(hello.instance, hello.depths, policy, self._open_writer(hello.instance))
+            self._sessions[hello.instance] = session
+        else:  # a re-hello restarts the session: new hook process, or it lost us
+            session.depths = hello.depths
+            session.featurizer = Featurizer(hello.depths)
+            session.policy = policy
+            session.last_seq = None
+        policy.reset()
+        self._tick += 1
+        session.active = self._tick
+        self._send(
+            ident,
+            msgpack.packb(
+                {
+                    "t": "welcome",
+                    "v": PROTOCOL_VERSION,
+                    "policy": self.factory.name,
+                    "features": FEATURIZER_VERSION,
+                }
+            ),
+        )
+        self.stats.hellos += 1
+        self.stats.instances = len(self._sessions)
+        if session.writer is not None:
+            try:
+                session.writer.write_frame(frame, rx_ns)
+            except OSError as exc:
+                self._drop_writer(session, exc)
+            else:
+                self._dirty.add(session.writer)
+        log.info(
+            "hello from %r: depths %s, engine %r, tp %d",
+            hello.instance,
+            list(hello.depths),
+            hello.engine,
+            hello.tp,
+        )
+
+    def _send(self, ident: bytes, payload: bytes) -> None:
+        sock = self._sock
+        try:
+            # ROUTER without ROUTER_MANDATORY drops what it cannot route instead of blocking or
+            # failing; NOBLOCK guards the rest. Two send() calls cost ~1.5 µs less than
+            # send_multipart here.
+            sock.send(ident, _SEND_MORE)
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.stats.replies_dropped += 1
+
+    def _reply_error(self, ident: bytes, code: str, msg: str) -> None:
+        self.stats.count_error(code)
+        log.debug("error %s: %s", code, msg)
+        self._send(
+            ident, msgpack.packb({"t": "error", "v": PROTOCOL_VERSION, "code": code, "msg": msg[:1024]})
+        )
+
+    # ------------------------------------------------------------------ sessions and files
+
+    def _evict(self) -> None:
+        oldest = min(self._sessions.values(), key=lambda s: s.active)
+        del self._sessions[oldest.instance]
+        self.stats.evicted += 1
+        if oldest.writer is not None:
+            self._dirty.discard(oldest.writer)
+            try:
+                oldest.writer.close()
+            except OSError:
+                pass
+        log.info("evicted the least recently active instance %r (max_instances reached)", oldest.instance)
+
+    def _open_writer(self, instance: str) -> TraceWriter | None:
+        if self._record is None:
+            return None
+        try:
+            return TraceWriter(self._record, instance, flush_bytes=self.config.trace_flush_bytes)
+        except ControllerError as exc:
+            log.error("not recording %r: %s", instance, exc)
+            return None
+
+    def _drop_writer(self, session: _Session, exc: OSError) -> None:
+        log.error("stopped recording %r: %s", session.instance, exc.strerror or exc)
+        if session.writer is not None:
+            self._dirty.discard(session.writer)
+            try:
+                session.writer.close()
+            except OSError:
+                pass
+        session.writer = None
+
+    def _flush(self) -> None:
+        for writer in list(self._dirty):
+            try:
+                writer.flush()
+            except OSError as exc:
+                for session in self._sessions.values():
+                    if session.writer is writer:
+                        self._drop_writer(session, exc)
+        self._dirty.clear()
+
+    def close(self) -> None:
+        """Flush and close trace files, the socket and the metrics endpoint. Idempotent."""
+        for session in self._sessions.values():
+            if session.writer is not None:
+                try:
+                    session.writer.close()
+                except OSError as exc:
+                    log.error("closing the trace of %r: %s", session.instance, exc)
+                session.writer = None
+        self._dirty.clear()
+        if self._latencies is not None and self.config.latency_log:
+            with open(self.config.latency_log, "wb") as f:
+                self._latencies.tofile(f)
+            self._latencies = None
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        if not self._sock.closed:
+            self._sock.close(0)
+            self._ctx.term()
+            if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
+                try:  # ZeroMQ leaves the socket file behind; it was ours (see _check_ipc)
+                    os.unlink(self.endpoint[len("ipc://") :])
+                except OSError:
+                    pass
+
+    @property
+    def instances(self) -> list[str]:
+        """Instances with a live session."""
+        return list(self._sessions)
+
+
+def load_policy(spec: str) -> PolicyFactory:
+    """Resolve ``--policy`` (PolicyLoadError with a reason if it cannot be served)."""
+    if not spec.startswith("builtin:"):
+        path = Path(spec)
+        if not path.exists():
+            raise PolicyLoadError(
+                f"policy file {spec!r} does not exist (or use builtin:NAME, e.g. builtin:static:3)"
+            )
+        if not path.is_file():
+            raise PolicyLoadError(f"policy {spec!r} is not a file")
+    try:
+        return make_factory(spec)
+    except ImportError as exc:  # PPO zip support needs numpy + torch (the serve extra)
+        raise PolicyLoadError(f"cannot load {spec!r}: {exc} (install specdepth[serve])") from None
+
+
+def _check_record_dir(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create record folder {str(folder)!r}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"record folder {str(folder)!r} is not writable")
+
+
+def _read_curve_key(path: str) -> bytes:
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read CURVE key {path!r}: {exc.strerror or exc}") from None
+    if len(key) != 40:
+        raise ConfigError(f"CURVE key file {path!r} must hold one 40-character Z85 secret key")
+    if not zmq.has("curve"):
+        raise ConfigError("this libzmq was built without CURVE support")
+    return key
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``controller serve``."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a policy to SGLang replicas over ZeroMQ",
+        description=(
+            "Serve a speculation policy: every SGLang replica (hook) connects, says hello, streams "
+            "one step record per decode step, and gets one decision (the next draft depth) per step. "
+            "Stop with SIGTERM or Ctrl-C; trace files are flushed and closed."
+        ),
+    )
+    p.add_argument(
+        "--policy",
+        required=True,
+        metavar="SPEC",
+        help="a PPO zip written by `controller train`, or builtin:NAME (e.g. builtin:static:3 = always depth 3; "
+        "the baselines of agents/ register more builtins)",
+    )
+    p.add_argument(
+        "--bind",
+        default=DEFAULT_ENDPOINT,
+        metavar="ENDPOINT",
+        help=f"ZeroMQ endpoint of the ROUTER socket (default {DEFAULT_ENDPOINT}); tcp://127.0.0.1:PORT also works; "
+        "a non-loopback address needs --curve-secret-key-file",
+    )
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="append every hello, step and decision to DIR/<instance>-<start>.msgpack (read with "
+        "`controller traces summarize DIR`)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="serve Prometheus metrics on http://127.0.0.1:N/metrics",
+    )
+    p.add_argument(
+        "--max-instances",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="instance sessions kept at once; beyond, the least recently active one is forgotten "
+        "(its hook re-sends hello) (default 1024)",
+    )
+    p.add_argument(
+        "--curve-secret-key-file",
+        metavar="FILE",
+        help="file with this server's Z85 CURVE secret key: encrypts the socket, required to bind "
+        "a non-loopback address",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="log verbosity on stderr (default info; debug logs every refused frame)",
+    )
+    p.add_argument(
+        "--latency-log",
+        metavar="FILE",
+        help="at exit, write every decision latency in ns (int64) to FILE (for bench/)",
+    )
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        raise ConfigError(f"--metrics-port {args.metrics_port} is not a port number (1..65535)")
+    if args.max_instances < 1:
+        raise ConfigError("--max-instances must be at least 1")
+    config = ServeConfig(
+        policy=args.policy,
+        bind=args.bind,
+        record=args.record,
+        metrics_port=args.metrics_port,
+        max_instances=args.max_instances,
+        curve_secret_key_file=args.curve_secret_key_file,
+        latency_log=args.latency_log,
+    )
+    server = Server(config)
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    log.info(
+        "serving %s on %s (protocol v%d, features v%d)%s%s",
+        server.factory.name,
+        server.endpoint,
+        PROTOCOL_VERSION,
+        FEATURIZER_VERSION,
+        f", recording to {config.record}" if config.record else "",
+        f", metrics on 127.0.0.1:{config.metrics_port}" if config.metrics_port else "",
+    )
+    server.serve_forever()
+    s = server.stats
+    log.info(
+        "stopped after %d steps from %d frames; errors %s",
+        s.steps,
+        s.frames,
+        {k: v for k, v in s.errors.items() if v},
+    )
+    return 0
