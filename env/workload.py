@@ -1,0 +1,328 @@
+"""Workloads: arrivals and request lengths, named by a spec string.
+
+Spec grammar: ``BASE[@key=value,...]``
+
+=================================  ==========================================================
+BASE                               meaning
+=================================  ==========================================================
+``closed:C``                       closed loop: C clients, each sends its next request the
+                                   moment the previous one completes (the seed's benchmark)
+``poisson:RATE``                   open loop, Poisson arrivals at RATE requests/s
+``burst:LO,HI,PERIOD_S[,DUTY]``    on/off Poisson: HI req/s for DUTY (default 0.2) of every
+                                   PERIOD_S seconds, LO req/s otherwise
+``ramp:R0,R1,DURATION_S``          Poisson with the rate ramping linearly R0 → R1 over
+                                   DURATION_S, then held at R1
+``phase:PERIOD_S:BASE``            BASE's arrivals; requests arriving in odd half-periods are
+                                   code-like (acceptance shifted by ``code_shift``), even
+                                   ones chat-like: an acceptance phase shift every PERIOD_S/2
+``replay:PATH``                    arrivals replayed: a CSV with ``arrival_s,prompt_tokens``
+                                   (and optionally ``output_tokens``), or a trace folder,
+                                   where every record with ``prefill_tokens > 0`` becomes
+                                   arrivals of that many prompt tokens at its ``ts_ns``
+``preset:NAME``                    a spec stored in the deployment (``workload.presets``)
+=================================  ==========================================================
+
+Options after ``@``: ``prompt=N`` / ``output=N`` fix the lengths (tokens) instead of drawing
+them from the deployment's length distributions; ``accept_shift=X`` adds X logits to every
+request's acceptance; ``n=N`` stops arrivals after N requests (the episode then ends when
+they complete). Example: ``closed:1@prompt=128,output=256,accept_shift=1.0``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from controller.errors import ConfigError, FitError
+
+
+@dataclass(frozen=True)
+class WorkloadParams:
+    """Request-length distributions (log-normal, clipped) and named workload presets."""
+
+    prompt_median_tokens: float = 512.0
+    prompt_sigma: float = 0.8
+    prompt_min_tokens: int = 16
+    prompt_max_tokens: int = 8192
+    output_median_tokens: float = 256.0
+    output_sigma: float = 0.7
+    output_min_tokens: int = 8
+    output_max_tokens: int = 2048
+    presets: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> WorkloadParams:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise FitError(f"workload params: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A parsed workload spec (see module docstring)."""
+
+    kind: str
+    args: tuple[float, ...] = ()
+    path: str = ""
+    phase_period_s: float = 0.0
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    accept_shift: float = 0.0
+    n_requests: int | None = None
+    text: str = ""
+
+
+def parse_workload(spec: str, presets: dict[str, str] | None = None) -> WorkloadSpec:
+    """Parse a workload spec string; raises :class:`ConfigError` naming what is wrong."""
+    text = spec.strip()
+    base, _, opts = text.partition("@")
+    kw: dict[str, object] = {}
+    if opts:
+        for item in opts.split(","):
+            key, eq, val = item.partition("=")
+            key = key.strip()
+            try:
+                if not eq:
+                    raise ValueError
+                if key in ("prompt", "output", "n"):
+                    num = int(val)
+                    if num <= 0:
+                        raise ValueError
+                    kw[{"prompt": "prompt_tokens", "output": "output_tokens", "n": "n_requests"}[key]] = num
+                elif key == "accept_shift":
+                    kw["accept_shift"] = float(val)
+                else:
+                    raise ConfigError(
+                        f"workload {spec!r}: unknown option {key!r} (prompt, output, accept_shift, n)"
+                    )
+            except ValueError:
+                raise ConfigError(f"workload {spec!r}: option {item!r} needs a positive number") from None
+    kind, _, rest = base.partition(":")
+    if kind == "preset":
+        if not presets or rest not in presets:
+            known = ", ".join(sorted(presets or {})) or "none"
+            raise ConfigError(f"workload {spec!r}: unknown preset {rest!r} (this deployment has: {known})")
+        inner = parse_workload(presets[rest], None)
+        return WorkloadSpec(**{**inner.__dict__, **kw, "text": text})
+    if kind == "phase":
+        period, _, inner_text = rest.partition(":")
+        try:
+            period_s = float(period)
+            if period_s <= 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(
+                f"workload {spec!r}: phase needs PERIOD_S > 0, as in phase:60:closed:32"
+            ) from None
+        inner = parse_workload(inner_text, presets)
+        return WorkloadSpec(**{**inner.__dict__, **kw, "phase_period_s": period_s, "text": text})
+    if kind == "replay":
+        if not rest:
+            raise ConfigError(f"workload {spec!r}: replay needs a PATH")
+        return WorkloadSpec(kind="replay", path=rest, text=text, **kw)  # type: ignore[arg-type]
+    nargs = {"closed": (1, 1), "poisson": (1, 1), "burst": (3, 4), "ramp": (3, 3)}
+    if kind not in nargs:
+        raise ConfigError(
+            f"workload {spec!r}: unknown kind {kind!r}; use closed:C, poisson:RATE, burst:LO,HI,PERIOD_S[,DUTY], "
+            "ramp:R0,R1,DURATION_S, phase:PERIOD_S:BASE, replay:PATH or preset:NAME"
+        )
+    try:
+        args = tuple(float(x) for x in rest.split(",")) if rest else ()
+    except ValueError:
+        raise ConfigError(f"workload {spec!r}: arguments must be numbers") from None
+    lo, hi = nargs[kind]
+    if not lo <= len(args) <= hi or any(a < 0 or not math.isfinite(a) for a in args):
+        raise ConfigError(f"workload {spec!r}: {kind} takes {lo}..{hi} non-negative numbers")
+    if kind == "closed" and (args[0] < 1 or args[0] != int(args[0])):
+        raise ConfigError(f"workload {spec!r}: closed:C needs an integer C >= 1")
+    if kind in ("burst", "ramp") and args[2] <= 0:
+        raise ConfigError(f"workload {spec!r}: the period/duration must be > 0")
+    return WorkloadSpec(kind=kind, args=args, text=text, **kw)  # type: ignore[arg-type]
+
+
+class Arrivals:
+    """Generates the request stream of one workload, from its own RNG stream.
+
+    Open-loop arrivals are produced lazily in time order by :meth:`peek`/:meth:`pop`;
+    closed-loop arrivals are triggered by completions (:meth:`on_complete`).
+    """
+
+    def __init__(
+        self, spec: WorkloadSpec, wp: WorkloadParams, code_shift: float, rng: np.random.Generator
+    ) -> None:
+        self.spec = spec
+        self.wp = wp
+        self.code_shift = code_shift
+        self.rng = rng
+        self.issued = 0
+        self.closed = int(spec.args[0]) if spec.kind == "closed" else 0
+        self._next_t: int | None = None
+        self._replay: list[tuple[int, int, int | None]] = []
+        self._replay_i = 0
+        self._pending: list[tuple[int, int, int, float]] = []  # closed-loop arrivals due
+        if spec.kind == "replay":
+            self._replay = load_replay(spec.path)
+        if self.closed:
+            for _ in range(self.closed):
+                self._issue_closed(0)
+        else:
+            self._advance(0)
+
+    # -- lengths ---------------------------------------------------------------
+    def _lengths(self) -> tuple[int, int]:
+        wp, s = self.wp, self.spec
+        if s.prompt_tokens is not None:
+            prompt = s.prompt_tokens
+        else:
+            prompt = int(
+                np.clip(
+                    wp.prompt_median_tokens * math.exp(wp.prompt_sigma * self.rng.standard_normal()),
+                    wp.prompt_min_tokens,
+                    wp.prompt_max_tokens,
+                )
+            )
+        if s.output_tokens is not None:
+            out = s.output_tokens
+        else:
+            out = int(
+                np.clip(
+                    wp.output_median_tokens * math.exp(wp.output_sigma * self.rng.standard_normal()),
+                    wp.output_min_tokens,
+                    wp.output_max_tokens,
+                )
+            )
+        return prompt, out
+
+    def shift_at(self, t_us: int) -> float:
+        """Acceptance offset (logits) of a request arriving at ``t_us``."""
+        shift = self.spec.accept_shift
+        if self.spec.phase_period_s > 0:
+            half_us = self.spec.phase_period_s * 5e5
+            if int(t_us // half_us) % 2 == 1:
+                shift += self.code_shift
+        return shift
+
+    def _exhausted(self) -> bool:
+        return self.spec.n_requests is not None and self.issued >= self.spec.n_requests
+
+    # -- open loop ---------------------------------------------------------------
+    def _rate(self, t_s: float) -> float:
+        k, a = self.spec.kind, self.spec.args
+        if k == "poisson":
+            return a[0]
+        if k == "burst":
+            duty = a[3] if len(a) > 3 else 0.2
+            return a[1] if (t_s % a[2]) < duty * a[2] else a[0]
+        if k == "ramp":
+            return a[0] + (a[1] - a[0]) * min(t_s / a[2], 1.0)
+        return 0.0
+
+    def _advance(self, now_us: int) -> None:
+        """Draw the next open-loop arrival after ``now_us`` (thinning for time-varying rates)."""
+        if self._exhausted():
+            self._next_t = None
+            return
+        if self.spec.kind == "replay":
+            if self._replay_i < len(self._replay):
+                self._next_t = self._replay[self._replay_i][0]
+            else:
+                self._next_t = None
+            return
+        a = self.spec.args
+        rmax = max(a[:2]) if self.spec.kind in ("burst", "ramp") else a[0]
+        if rmax <= 0:
+            self._next_t = None
+            return
+        t = now_us / 1e6
+        while True:
+            t += self.rng.exponential(1.0 / rmax)
+            if self.rng.random() * rmax <= self._rate(t):
+                break
+        self._next_t = max(int(t * 1e6), now_us)
+
+    def peek(self) -> int | None:
+        """Time (µs) of the next arrival, or None if no more will come on their own."""
+        if self._pending:
+            return self._pending[0][0]
+        return self._next_t
+
+    def pop(self) -> tuple[int, int, int, float]:
+        """The next arrival: (t_us, prompt_tokens, output_tokens, accept_shift)."""
+        if self._pending:
+            return self._pending.pop(0)
+        t = self._next_t
+        assert t is not None
+        if self.spec.kind == "replay":
+            _, prompt, out = self._replay[self._replay_i]
+            self._replay_i += 1
+            if out is None or self.spec.output_tokens is not None:
+                out = self._lengths()[1]
+        else:
+            prompt, out = self._lengths()
+        self.issued += 1
+        self._advance(t)
+        return t, prompt, out, self.shift_at(t)
+
+    # -- closed loop ---------------------------------------------------------------
+    def _issue_closed(self, t_us: int) -> None:
+        if self._exhausted():
+            return
+        prompt, out = self._lengths()
+        self.issued += 1
+        self._pending.append((t_us, prompt, out, self.shift_at(t_us)))
+
+    def on_complete(self, t_us: int) -> None:
+        """A request completed at ``t_us``: in a closed loop its client sends the next one."""
+        if self.closed:
+            self._issue_closed(t_us)
+
+
+def load_replay(path: str) -> list[tuple[int, int, int | None]]:
+    """Arrivals to replay: [(t_us from the first arrival, prompt_tokens, output_tokens|None)].
+
+    Raises:
+        ConfigError: unreadable file, missing columns, or no arrivals; names the path.
+    """
+    if os.path.isdir(path):
+        from controller.traces import step_records
+
+        recs = step_records(path)
+        out: list[tuple[int, int, int | None]] = []
+        for steps in recs.values():
+            for s in steps:
+                if s.prefill_tokens > 0:
+                    out.append((s.ts_ns // 1000, s.prefill_tokens, None))
+        if not out:
+            raise ConfigError(f"replay {path}: no step records with prefill_tokens > 0 to replay")
+        out.sort()
+        t0 = out[0][0]
+        return [(t - t0, p, o) for t, p, o in out]
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(path)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"replay {path}: cannot read ({type(exc).__name__})") from None
+    for col in ("arrival_s", "prompt_tokens"):
+        if col not in df.columns:
+            raise ConfigError(
+                f"replay {path}: missing column {col!r} (need arrival_s, prompt_tokens[, output_tokens])"
+            )
+    if len(df) == 0:
+        raise ConfigError(f"replay {path}: no rows")
+    df = df.sort_values("arrival_s")
+    t0 = float(df["arrival_s"].iloc[0])
+    has_out = "output_tokens" in df.columns
+    rows = []
+    for r in df.itertuples(index=False):
+        out_tok = int(r.output_tokens) if has_out else None  # type: ignore[attr-defined]
+        rows.append((int((float(r.arrival_s) - t0) * 1e6), max(int(r.prompt_tokens), 1), out_tok))
+    return rows
