@@ -185,13 +185,20 @@ class Server:
     Args:
         config: see :class:`ServeConfig`.
         factory: a ready policy factory (tests, benches); default: ``make_factory(config.policy)``.
+        context: a ZeroMQ context to share (``inproc://`` peers need the same one); by default
+            the server makes, and at close terminates, its own.
 
     Raises:
         PolicyLoadError: the policy spec cannot be served.
         ConfigError: the endpoint, record folder or keys cannot be used.
     """
 
-    def __init__(self, config: ServeConfig, factory: PolicyFactory | None = None) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        factory: PolicyFactory | None = None,
+        context: zmq.Context | None = None,  # type: ignore[type-arg]
+    ) -> None:
         self.config = config
         self.factory = factory if factory is not None else load_policy(config.policy)
         self.stats = ServiceStats()
@@ -205,7 +212,8 @@ class Server:
             _check_record_dir(self._record)
         secret = _read_curve_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
         check_endpoint(config.bind, curve=secret is not None)
-        self._ctx = zmq.Context()
+        self._own_context = context is None
+        self._ctx = zmq.Context() if context is None else context
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
@@ -219,7 +227,8 @@ class Server:
             sock.bind(config.bind)
         except zmq.ZMQError as exc:
             sock.close(0)
-            self._ctx.term()
+            if self._own_context:
+                self._ctx.term()
             raise ConfigError(f"cannot bind {config.bind!r}: {exc.strerror}") from None
         self._sock = sock
         self.endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -466,7 +475,8 @@ class Server:
             self._metrics_server = None
         if not self._sock.closed:
             self._sock.close(0)
-            self._ctx.term()
+            if self._own_context:
+                self._ctx.term()
             if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
                 try:  # ZeroMQ leaves the socket file behind; it was ours (see _check_ipc)
                     os.unlink(self.endpoint[len("ipc://") :])

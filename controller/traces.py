@@ -28,6 +28,9 @@ column              meaning
 ``rx_ns``           controller monotonic ns (receipt, or send time for a decision)
 ``depths``          hello: the allowed depths (list); ``engine``, ``model``, ``tp``: hello
 ==================  =====================================================================
+
+Each row fills only its own type's columns; a value of the wrong type, or an integer outside
+int64, reads as null (recorded frames are verbatim, and unknown keys are allowed).
 """
 
 from __future__ import annotations
@@ -87,6 +90,26 @@ COLUMNS = (
     "model",
     "tp",
 )
+
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_COMMON = frozenset(("instance", "t", "rx_ns"))
+_FIELDS_OF = {
+    "step": _COMMON
+    | {
+        "seq",
+        "depth",
+        "bs",
+        "waiting",
+        "accept",
+        "step_us",
+        "ctx_tokens",
+        "kv_usage",
+        "prefill_tokens",
+        "ts_ns",
+    },
+    "hello": _COMMON | {"depths", "engine", "model", "tp"},
+    "decision": _COMMON | {"seq", "depth"},
+}
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _RX_KEY = msgpack.packb("rx_ns")
@@ -293,13 +316,17 @@ def load_traces(directory: str | os.PathLike[str]) -> pd.DataFrame:
     for path in trace_files(directory):
         for record in iter_records(path):
             columns["file"].append(path.name)
+            # Only the fields of the record's own type: a hello's stray "seq" is not a seq.
+            fields = _FIELDS_OF.get(record["t"], _COMMON)
             for c in COLUMNS[1:]:
-                columns[c].append(record.get(c))
+                columns[c].append(record.get(c) if c in fields else None)
     # Typed per column from the raw lists: a wrong-typed value becomes null, never a crash.
     data: dict[str, Any] = {}
     for c, values in columns.items():
         if c in INT_COLUMNS:
-            data[c] = pd.array([v if type(v) is int else None for v in values], dtype="Int64")
+            data[c] = pd.array(
+                [v if type(v) is int and _I64_MIN <= v <= _I64_MAX else None for v in values], dtype="Int64"
+            )
         elif c == "kv_usage":
             data[c] = pd.array(
                 [float(v) if type(v) in (int, float) else math.nan for v in values], dtype="float64"

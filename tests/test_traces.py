@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -134,6 +135,16 @@ def test_load_traces_columns_and_types(tmp_path: Path) -> None:
     hello = frame[frame["t"] == "hello"].iloc[0]
     assert list(hello["depths"]) == [0, 2, 4] and hello["engine"] == "sglang" and hello["tp"] == 1
     assert frame[frame["t"] == "hello"]["bs"].isna().all()
+
+
+def test_stray_and_out_of_range_values_read_as_null(tmp_path: Path) -> None:
+    with TraceWriter(tmp_path, "a") as w:
+        w.write({**Hello("a", (0, 2)).to_wire(), "seq": 2**64 - 1, "bs": "x"}, 1)
+        w.write({**make_step(0).to_wire(), "waiting": 2**64 - 1, "kv_usage": "high"}, 2)
+    frame = load_traces(tmp_path)
+    assert frame["seq"].isna().iloc[0] and frame["bs"].isna().iloc[0]
+    assert frame["waiting"].isna().iloc[1] and math.isnan(frame["kv_usage"].iloc[1])
+    assert frame["bs"].iloc[1] == 3
 
 
 def test_empty_or_missing_folder_is_a_trace_error(tmp_path: Path) -> None:
