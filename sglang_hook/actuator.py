@@ -1,0 +1,236 @@
+"""The actuator: SGLang's adaptive policy object, wrapped so the controller's depth wins when fresh.
+
+SGLang's ``AdaptiveController`` asks ``self.params.get_steps_for_batch(bs)`` before every decode
+launch and feeds ``self.params.on_verify_complete(...)`` after every verify. Replacing
+``params`` with :class:`ControlledParams` is the whole actuator:
+
+- ``get_steps_for_batch`` answers the depth every TP rank *received* (see :class:`TpSync`),
+  or, when there is none, a fixed fallback depth or SGLang's own policy;
+- ``on_verify_complete`` always feeds SGLang's policy (so its EMA is warm for the fallback) but
+  only lets it switch the runtime state while it is in charge;
+- everything else delegates.
+
+TP consistency (invariant: every rank applies the same depth at the same step): only the
+entry rank talks to the controller. It puts a :class:`DepthSync` marker into the request list
+that SGLang already broadcasts from TP rank 0 at the top of every scheduler iteration, and
+every rank — the entry rank included — applies exactly the marker it got out of that
+broadcast. The decision is sticky between markers, so a marker is only sent when it changes.
+Staleness is judged once, on the entry rank, so ranks cannot disagree about it either.
+
+Nothing here raises into SGLang: an exception is logged once and SGLang's own answer is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("sglang_hook")
+
+_logged: set[str] = set()
+
+
+def log_once(key: str, msg: str, *args: Any, level: int = logging.WARNING, exc: bool = False) -> None:
+    """Log ``msg`` the first time ``key`` is seen in this process."""
+    if key in _logged:
+        return
+    _logged.add(key)
+    logger.log(level, msg, *args, exc_info=exc)
+
+
+@dataclass(frozen=True, slots=True)
+class DepthSync:
+    """The entry rank's decision, riding SGLang's request broadcast to every TP rank.
+
+    Attributes:
+        depth: the depth to apply from now on, or ``None`` = no fresh decision (fall back).
+        seq: increasing per entry rank; lets tests and logs tell markers apart.
+    """
+
+    depth: int | None
+    seq: int
+
+
+@dataclass(slots=True)
+class Counters:
+    """Per-process counters (plain ints: read by tests, logs and the benchmark)."""
+
+    controller_steps: int = 0  # decode launches that used the controller's depth
+    fallback_steps: int = 0  # decode launches that used the fallback
+    invalid_depth: int = 0  # decisions ignored: depth not a runtime state SGLang built
+    syncs_sent: int = 0  # DepthSync markers put into the broadcast (entry rank)
+    syncs_applied: int = 0  # DepthSync markers taken out of the broadcast (every rank)
+    hook_errors: int = 0  # exceptions caught inside the hook
+
+
+@dataclass(slots=True)
+class ActuatorState:
+    """What one scheduler process applies. Shared by :class:`TpSync` and :class:`ControlledParams`.
+
+    Attributes:
+        applied: the depth every rank applies now (``None`` = fallback). Written only by
+            :meth:`TpSync.take`, i.e. only from what came out of the broadcast.
+        valid: the depths SGLang built runtime states for; ``None`` until a params object is
+            wrapped (e.g. a server without speculation).
+    """
+
+    applied: int | None = None
+    valid: frozenset[int] | None = None
+    counters: Counters = field(default_factory=Counters)
+
+
+class TpSync:
+    """Moves the entry rank's decision into every rank's :class:`ActuatorState`, via the broadcast."""
+
+    def __init__(self, state: ActuatorState, fallback_desc: str = "SGLang's adaptive policy") -> None:
+        self.state = state
+        self.fallback_desc = fallback_desc
+        self._last_sent: int | None = None
+        self._sent_any = False
+        self._seq = 0
+
+    def offer(self, desired: int | None) -> DepthSync | None:
+        """Entry rank, before the broadcast: the marker to append, or ``None`` if nothing changed.
+
+        ``desired`` is the controller's fresh depth or ``None``. A depth SGLang has no runtime
+        state for is ignored, counted, and treated as no decision.
+        """
+        valid = self.state.valid
+        if desired is not None and valid is not None and desired not in valid:
+            self.state.counters.invalid_depth += 1
+            log_once(
+                f"invalid-{desired}",
+                "spec controller: depth %d is not one of SGLang's runtime states %s; ignored",
+                desired,
+                sorted(valid),
+            )
+            desired = None
+        if self._sent_any and desired == self._last_sent:
+            return None
+        if desired is None:
+            logger.warning("spec controller: no fresh decision; falling back to %s", self.fallback_desc)
+        elif self._last_sent is None:
+            logger.info("spec controller: decisions flowing; applying depth %d", desired)
+        self._sent_any = True
+        self._last_sent = desired
+        self._seq += 1
+        self.state.counters.syncs_sent += 1
+        return DepthSync(depth=desired, seq=self._seq)
+
+    def take(self, reqs: list[Any] | None) -> list[Any] | None:
+        """Every rank, after the broadcast: apply the last marker and return the list without markers."""
+        if not reqs:
+            return reqs
+        markers = [r for r in reqs if type(r) is DepthSync]
+        if not markers:
+            return reqs
+        self.state.applied = markers[-1].depth
+        self.state.counters.syncs_applied += len(markers)
+        return [r for r in reqs if type(r) is not DepthSync]
+
+
+class ControlledParams:
+    """Wraps SGLang's adaptive params (``AdaptiveSpeculativeParams``) for one worker.
+
+    Args:
+        inner: SGLang's own params object; used for graph sizing, the rest of the interface and
+            the ``sglang`` fallback.
+        state: the process's :class:`ActuatorState`.
+        fallback_depth: fixed depth when no decision is fresh; ``None`` = SGLang's policy.
+        on_cost: called with each call's own cost in ns (the benchmark's hook time).
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        state: ActuatorState,
+        fallback_depth: int | None = None,
+        on_cost: Callable[[int], None] | None = None,
+    ) -> None:
+        self._inner = inner
+        self._state = state
+        self._on_cost = on_cost
+        valid = frozenset(int(s) for s in inner.candidate_steps)
+        state.valid = valid
+        if fallback_depth is not None and fallback_depth not in valid:
+            log_once(
+                "fallback-invalid",
+                "spec controller: fallback depth %d has no runtime state (have %s); using SGLang's policy",
+                fallback_depth,
+                sorted(valid),
+            )
+            fallback_depth = None
+        self._fallback = fallback_depth
+
+    @property
+    def inner(self) -> Any:
+        """SGLang's own params object."""
+        return self._inner
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        return self._inner.candidate_steps
+
+    def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
+        self._inner.set_cuda_graph_bs(cuda_graph_bs)
+
+    def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
+        return self._inner.cuda_graph_bs_for_step(step)
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        """The depth for the decode about to launch: the received decision, else the fallback."""
+        t0 = time.perf_counter_ns()
+        try:
+            state = self._state
+            depth = state.applied
+            if depth is not None and depth in state.valid:  # type: ignore[operator]
+                state.counters.controller_steps += 1
+                return depth
+            if depth is not None:  # cannot happen unless a marker was forged; ranks still agree
+                state.counters.invalid_depth += 1
+            state.counters.fallback_steps += 1
+            if self._fallback is not None:
+                return self._fallback
+        except Exception:
+            self._state.counters.hook_errors += 1
+            log_once("get_steps", "spec controller: actuator failed; using SGLang's policy", exc=True)
+        finally:
+            if self._on_cost is not None:
+                self._on_cost(time.perf_counter_ns() - t0)
+        return self._inner.get_steps_for_batch(batch_size)
+
+    def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
+        """Feed SGLang's policy; let it switch the runtime state only while it is in charge."""
+        new_step = self._inner.on_verify_complete(num_correct_drafts_per_req, batch_size)
+        try:
+            state = self._state
+            if state.applied is not None and state.applied in state.valid:  # type: ignore[operator]
+                return None
+            if self._fallback is not None:
+                return None
+        except Exception:
+            self._state.counters.hook_errors += 1
+            log_once("on_verify", "spec controller: actuator failed; using SGLang's policy", exc=True)
+        return new_step
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else SGLang (or a later version) reads from its params object.
+        return getattr(self._inner, name)
+
+
+def wrap_controller_params(
+    controller: Any,
+    state: ActuatorState,
+    fallback_depth: int | None,
+    on_cost: Callable[[int], None] | None = None,
+) -> ControlledParams:
+    """Replace ``controller.params`` (SGLang's ``AdaptiveController``) by a :class:`ControlledParams`."""
+    inner = controller.params
+    if isinstance(inner, ControlledParams):
+        return inner
+    wrapped = ControlledParams(inner, state, fallback_depth, on_cost)
+    controller.params = wrapped
+    return wrapped

@@ -1,0 +1,285 @@
+"""Everything the hook knows about SGLang's internals, and the 0.5.17 / 0.5.23 differences.
+
+The hook patches a handful of SGLang names and reads a handful of attributes. They are all
+listed here, in :data:`CONTRACT`, with the signature the hook relies on; the contract test
+checks every entry against the installed SGLang (and, statically, against another version's
+source tree). Differences between the two supported versions:
+
+========================================  ==============================  ==============================
+what                                      0.5.17                          0.5.23
+========================================  ==============================  ==============================
+``AdaptiveController.__init__``           ``(worker, config_path=None)``  ``(worker, policy)``
+                                          builds its own params           params passed in
+``_broadcast_reqs_across_ranks``          ``(recv_reqs)``                 ``(recv_reqs, local_reqs=None)``
+server-args resolution                    in ``prepare_server_args``      ``ServerArgs.resolve_once()``
+``adaptive_unsupported_reason``           reads raw server args           reads the resolving view
+========================================  ==============================  ==============================
+
+Every function here is cheap and never raises into SGLang for a missing optional attribute:
+it returns a neutral value instead (the caller counts it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_VERSIONS = ("0.5.17", "0.5.23")
+
+# Patched targets (dotted paths as SGLang's HookRegistry resolves them).
+ADAPTIVE_CONTROLLER = "sglang.srt.speculative.adaptive_runtime_state.AdaptiveController"
+ADAPTIVE_CONTROLLER_INIT = ADAPTIVE_CONTROLLER + ".__init__"
+BROADCAST_REQS = (
+    "sglang.srt.managers.scheduler_components.request_receiver."
+    "SchedulerRequestReceiver._broadcast_reqs_across_ranks"
+)
+PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+MAYBE_DISABLE_ADAPTIVE = "sglang.srt.arg_groups.speculative_hook._maybe_disable_adaptive"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One SGLang name the hook depends on.
+
+    Attributes:
+        path: dotted path, ``module.Class.attr`` or ``module.func``.
+        params: the leading parameter names the hook relies on (``()`` = not callable-checked).
+        kind: ``call`` (function/method), ``attr`` (property or method presence) or ``field``
+            (a dataclass field / class annotation).
+        why: what the hook does with it.
+    """
+
+    path: str
+    params: tuple[str, ...] = ()
+    kind: str = "call"
+    why: str = ""
+
+
+CONTRACT: tuple[Target, ...] = (
+    Target(ADAPTIVE_CONTROLLER_INIT, ("self", "worker"), why="patched: wraps .params"),
+    Target(ADAPTIVE_CONTROLLER + ".activate_step_by_batch", ("self", "batch_size"), why="calls params"),
+    Target(
+        ADAPTIVE_CONTROLLER + ".on_verify_complete",
+        ("self", "num_correct_drafts_per_req", "batch_size"),
+        why="calls params",
+    ),
+    Target(
+        "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams.get_steps_for_batch",
+        ("self", "batch_size"),
+        why="answered by the actuator",
+    ),
+    Target(
+        "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams.on_verify_complete",
+        ("self", "num_correct_drafts_per_req", "batch_size"),
+        why="delegated, result gated",
+    ),
+    Target(
+        "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams.set_cuda_graph_bs",
+        ("self", "cuda_graph_bs"),
+        why="delegated",
+    ),
+    Target(
+        "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams.cuda_graph_bs_for_step",
+        ("self", "step"),
+        why="delegated",
+    ),
+    Target(
+        "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams.candidate_steps",
+        kind="attr",
+        why="delegated; validates decisions",
+    ),
+    Target(BROADCAST_REQS, ("self", "recv_reqs"), why="patched: the decision rides the TP broadcast"),
+    Target(PROCESS_BATCH_RESULT, ("self", "batch", "result"), why="patched: one step record per decode"),
+    Target(ON_IDLE, ("self",), why="patched: step_us restarts after idle"),
+    Target(MAYBE_DISABLE_ADAPTIVE, ("server_args",), why="launcher: refuse instead of silently disabling"),
+    Target(
+        "sglang.srt.speculative.adaptive_spec_params.adaptive_unsupported_reason",
+        ("server_args",),
+        why="launcher: SGLang's own refusal reason",
+    ),
+    Target("sglang.srt.server_args.prepare_server_args", ("argv",), why="launcher"),
+    Target("sglang.launch_server.run_server", ("server_args",), why="launcher"),
+    Target("sglang.srt.plugins.hook_registry.HookRegistry.register", ("cls", "target", "hook"), why="plugin"),
+    Target("sglang.srt.runtime_context.get_parallel", (), why="tp/dp/pp ranks"),
+    Target("sglang.srt.managers.utils.GenerationBatchResult.num_correct_drafts_per_req_cpu", kind="field"),
+    Target("sglang.srt.managers.utils.GenerationBatchResult.speculative_num_draft_tokens", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.reqs", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens_cpu", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens_sum", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.extend_num_tokens", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.launch_ts", kind="field"),
+)
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def resolve(path: str) -> Any:
+    """Import ``path`` (``module[.Class].attr``) and return the object, or raise ``LookupError``."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            if isinstance(obj, type):
+                # Class attributes, including dataclass fields that only exist as annotations.
+                found = False
+                for klass in obj.__mro__:
+                    if name in vars(klass):
+                        obj = vars(klass)[name]
+                        found = True
+                        break
+                    if name in getattr(klass, "__annotations__", {}):
+                        obj = klass.__annotations__[name]
+                        found = True
+                        break
+                if not found:
+                    raise LookupError(f"{path}: {name!r} not found")
+            else:
+                if not hasattr(obj, name):
+                    raise LookupError(f"{path}: {name!r} not found")
+                obj = getattr(obj, name)
+        return obj
+    raise LookupError(f"{path}: module not importable")
+
+
+def check_target(target: Target) -> str | None:
+    """Return why ``target`` does not match the installed SGLang, or ``None`` when it does."""
+    try:
+        obj = resolve(target.path)
+    except LookupError as exc:
+        return str(exc)
+    if target.kind != "call" or not target.params:
+        return None
+    func = getattr(obj, "__func__", obj)  # classmethod / staticmethod
+    func = inspect.unwrap(func)
+    try:
+        names = tuple(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return f"{target.path}: not introspectable"
+    if target.params[0] == "cls" and names[:1] != ("cls",):
+        names = ("cls", *names)  # bound classmethod drops cls
+    if names[: len(target.params)] != target.params:
+        return f"{target.path}: expected parameters {target.params}, found {names}"
+    return None
+
+
+def check_contract(targets: Sequence[Target] = CONTRACT) -> list[str]:
+    """All mismatches between :data:`CONTRACT` and the installed SGLang (empty = all good)."""
+    return [problem for t in targets if (problem := check_target(t)) is not None]
+
+
+# --------------------------------------------------------------------------- version helpers
+
+
+def sglang_version() -> str:
+    """The installed SGLang version string."""
+    import sglang
+
+    return str(getattr(sglang, "__version__", "unknown"))
+
+
+def new_adaptive_controller(worker: Any, cfg_path: str | None) -> Any:
+    """Build SGLang's real ``AdaptiveController`` with its own default params, in either version."""
+    from sglang.srt.speculative import adaptive_runtime_state as ars
+
+    params = inspect.signature(ars.AdaptiveController.__init__).parameters
+    if "policy" in params:  # 0.5.23: the caller builds the policy
+        from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+        policy = AdaptiveSpeculativeParams(initial_steps=worker.speculative_num_steps, cfg_path=cfg_path)
+        return ars.AdaptiveController(worker, policy)
+    return ars.AdaptiveController(worker, config_path=cfg_path)  # 0.5.17
+
+
+def resolve_server_args(server_args: Any) -> None:
+    """Run SGLang's argument resolution now (0.5.23 defers it to ``run_server``; idempotent)."""
+    resolve_once = getattr(server_args, "resolve_once", None)
+    if callable(resolve_once):
+        resolve_once()
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """Where this scheduler process sits. Entry rank = ``tp_rank == 0 and pp_rank == 0``."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int | None = None
+
+    @property
+    def is_entry(self) -> bool:
+        return self.tp_rank == 0 and self.pp_rank == 0
+
+
+def ranks() -> Ranks:
+    """This process's ranks, read from SGLang's published parallel context."""
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+
+    def read(name: str, default: Any) -> Any:
+        try:
+            value = getattr(par, name)
+        except Exception:  # unpublished leaves raise AttributeError/ValueError by version
+            return default
+        return default if value is None else value
+
+    return Ranks(
+        tp_rank=int(read("tp_rank", 0)),
+        tp_size=int(read("tp_size", 1)),
+        pp_rank=int(read("pp_rank", 0)),
+        pp_size=int(read("pp_size", 1)),
+        dp_rank=read("dp_rank", None),
+    )
+
+
+def kv_usage(scheduler: Any) -> float:
+    """Fraction of the KV pool held by requests (evictable prefix cache counts as free)."""
+    total = scheduler.max_total_num_tokens
+    used = (
+        total - scheduler.token_to_kv_pool_allocator.available_size() - scheduler.tree_cache.evictable_size()
+    )
+    usage = used / total if total > 0 else 0.0
+    return 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else float(usage)
+
+
+def ctx_tokens(batch: Any) -> int:
+    """Sum of the sequence lengths in a decode batch, from the cheapest source available."""
+    total = getattr(batch, "seq_lens_sum", None)
+    if type(total) is int:
+        return total
+    lens = getattr(batch, "seq_lens_cpu", None)
+    if lens is not None:
+        return int(lens.sum())
+    return sum(req.seqlen for req in batch.reqs)
+
+
+def step_depth_and_accept(batch: Any, result: Any, bs: int) -> tuple[int, list[int] | None]:
+    """The draft depth a decode step ran with and its per-request accepted drafts.
+
+    ``None`` for the accepted drafts means SGLang did not report them for this step.
+
+    Depth comes from the result (the verify width it actually used, ``draft_tokens - 1``), not
+    from the worker, whose state may already point at the next step under overlap scheduling.
+    """
+    if batch.spec_algorithm.is_none():
+        return 0, []
+    width = getattr(result, "speculative_num_draft_tokens", None)
+    if type(width) is not int or width < 1:
+        return 0, []
+    depth = width - 1
+    if depth == 0:
+        return 0, []
+    per_req = getattr(result, "num_correct_drafts_per_req_cpu", None)
+    if per_req is None or len(per_req) != bs:
+        return depth, None
+    return depth, [0 if a < 0 else depth if a > depth else int(a) for a in per_req]

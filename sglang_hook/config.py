@@ -1,0 +1,143 @@
+"""The hook's configuration: parsed once by the launcher, handed to scheduler children by environment.
+
+SGLang spawns its scheduler processes, so nothing set in the launcher's Python objects reaches
+them; environment variables do. :class:`HookConfig` round-trips through :meth:`HookConfig.to_env`
+and :meth:`HookConfig.from_env`, and every value is validated on both sides so a hand-edited
+environment fails the same way as a bad flag.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from controller.errors import ConfigError
+from controller.protocol import MAX_DEPTH, MAX_DEPTHS, MAX_INSTANCE_CHARS
+
+ENV_ENDPOINT = "SPECDEPTH_CONTROLLER"
+ENV_DEPTHS = "SPECDEPTH_DEPTHS"
+ENV_FALLBACK = "SPECDEPTH_FALLBACK"
+ENV_STALE_MS = "SPECDEPTH_STALE_MS"
+ENV_INSTANCE = "SPECDEPTH_INSTANCE"
+
+DEFAULT_DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 5)
+DEFAULT_STALE_MS = 200.0
+FALLBACK_SGLANG = "sglang"
+
+_ENDPOINT_RE = re.compile(r"^(ipc://.+|tcp://[^\s:]+:\d{1,5}|inproc://.+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class HookConfig:
+    """What the hook needs in every scheduler process.
+
+    Attributes:
+        endpoint: the controller's ZeroMQ endpoint (``ipc://...`` or ``tcp://host:port``).
+        depths: the allowed draft depths, strictly increasing, 0 = no speculation.
+        fallback_depth: the depth used when no fresh decision exists; ``None`` delegates to
+            SGLang's own adaptive policy.
+        stale_ms: a decision older than this is not used.
+        instance: replica name sent in ``hello``; empty = derived from host and port.
+    """
+
+    endpoint: str
+    depths: tuple[int, ...] = DEFAULT_DEPTHS
+    fallback_depth: int | None = None
+    stale_ms: float = DEFAULT_STALE_MS
+    instance: str = ""
+
+    def __post_init__(self) -> None:
+        if not _ENDPOINT_RE.match(self.endpoint):
+            raise ConfigError(f"--spec-controller {self.endpoint!r}: expected ipc://PATH or tcp://HOST:PORT")
+        check_depths(self.depths)
+        if self.fallback_depth is not None and self.fallback_depth not in self.depths:
+            raise ConfigError(
+                f"--spec-fallback {self.fallback_depth}: not one of --spec-depths {list(self.depths)}"
+            )
+        if not (self.stale_ms > 0.0 and self.stale_ms < 3_600_000.0):
+            raise ConfigError(f"--spec-stale-ms {self.stale_ms}: must be a number in (0, 3600000)")
+        if len(self.instance) > MAX_INSTANCE_CHARS:
+            raise ConfigError(f"instance name longer than {MAX_INSTANCE_CHARS} characters")
+
+    def to_env(self) -> dict[str, str]:
+        """The environment variables that carry this config to SGLang's child processes."""
+        env = {
+            ENV_ENDPOINT: self.endpoint,
+            ENV_DEPTHS: ",".join(str(d) for d in self.depths),
+            ENV_FALLBACK: FALLBACK_SGLANG if self.fallback_depth is None else str(self.fallback_depth),
+            ENV_STALE_MS: repr(self.stale_ms),
+        }
+        if self.instance:
+            env[ENV_INSTANCE] = self.instance
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> HookConfig | None:
+        """The config the launcher left in the environment, or ``None`` when the hook is not enabled.
+
+        Raises:
+            ConfigError: the variables are present but invalid.
+        """
+        env = os.environ if environ is None else environ
+        endpoint = env.get(ENV_ENDPOINT, "").strip()
+        if not endpoint:
+            return None
+        return cls(
+            endpoint=endpoint,
+            depths=parse_depths(env.get(ENV_DEPTHS, ",".join(map(str, DEFAULT_DEPTHS)))),
+            fallback_depth=parse_fallback(env.get(ENV_FALLBACK, FALLBACK_SGLANG)),
+            stale_ms=parse_stale_ms(env.get(ENV_STALE_MS, str(DEFAULT_STALE_MS))),
+            instance=env.get(ENV_INSTANCE, ""),
+        )
+
+
+def check_depths(depths: tuple[int, ...]) -> None:
+    """Raise :class:`ConfigError` unless ``depths`` is what protocol v1 allows in ``hello``."""
+    if (
+        not 1 <= len(depths) <= MAX_DEPTHS
+        or not all(type(d) is int and 0 <= d <= MAX_DEPTH for d in depths)
+        or any(a >= b for a, b in zip(depths, depths[1:], strict=False))
+    ):
+        raise ConfigError(
+            f"--spec-depths {','.join(map(str, depths))}: need 1..{MAX_DEPTHS} strictly increasing "
+            f"integers in 0..{MAX_DEPTH}"
+        )
+
+
+def parse_depths(text: str) -> tuple[int, ...]:
+    """Parse ``"0,1,2,3,5"``. Raises :class:`ConfigError`."""
+    try:
+        depths = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(
+            f"--spec-depths {text!r}: expected comma-separated integers such as 0,1,2,3,5"
+        ) from None
+    check_depths(depths)
+    return depths
+
+
+def parse_fallback(text: str) -> int | None:
+    """Parse ``sglang`` (delegate to SGLang's adaptive policy) or a fixed depth ``K``."""
+    text = text.strip()
+    if text == FALLBACK_SGLANG:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--spec-fallback {text!r}: expected 'sglang' or a depth K") from None
+    if not 0 <= value <= MAX_DEPTH:
+        raise ConfigError(f"--spec-fallback {value}: depth must be in 0..{MAX_DEPTH}")
+    return value
+
+
+def parse_stale_ms(text: str) -> float:
+    """Parse a positive number of milliseconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--spec-stale-ms {text!r}: expected a number of milliseconds") from None
+    if not (value > 0.0 and value < 3_600_000.0):
+        raise ConfigError(f"--spec-stale-ms {text!r}: must be in (0, 3600000)")
+    return value

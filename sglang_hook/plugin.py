@@ -1,0 +1,345 @@
+"""The SGLang plugin (entry point ``sglang.srt.plugins: spec_controller``).
+
+:func:`register` only registers AROUND hooks with SGLang's ``HookRegistry``; SGLang applies
+them in every process that calls ``load_plugins()``. The hooks fire only where their targets
+run — the scheduler processes — and build their state there lazily (:class:`HookRuntime`).
+
+Hooks (see :mod:`sglang_hook.compat` for the exact targets):
+
+- ``AdaptiveController.__init__``: wrap ``.params`` with the actuator (every TP rank).
+- ``SchedulerRequestReceiver._broadcast_reqs_across_ranks``: the entry rank polls the
+  controller (never blocking) and adds a :class:`~sglang_hook.actuator.DepthSync` marker to the
+  request broadcast when its decision changes; every rank applies the marker it received.
+- ``Scheduler.process_batch_result``: after each decode result, the entry rank builds one
+  ``step`` record and sends it (never blocking); prefill batches add to ``prefill_tokens``.
+- ``Scheduler.on_idle``: the next decode's ``step_us`` is timed from its own launch.
+
+Every hook catches every exception, logs it once, and lets SGLang continue as if the hook
+were absent: a scheduler exception would SIGQUIT the server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from controller.errors import ConfigError
+from controller.protocol import MAX_STEP_US, Hello, Step
+from sglang_hook import compat
+from sglang_hook.actuator import ActuatorState, DepthSync, TpSync, log_once, wrap_controller_params
+from sglang_hook.config import HookConfig
+
+logger = logging.getLogger("sglang_hook")
+
+ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
+PROFILE_FLUSH_EVERY = 128
+
+
+class HookRuntime:
+    """The hook's state in one scheduler process.
+
+    Args:
+        config: from the launcher's environment variables.
+        ranks: this process's TP/PP/DP ranks; only the entry rank talks to the controller.
+    """
+
+    def __init__(self, config: HookConfig, ranks: compat.Ranks) -> None:
+        self.config = config
+        self.ranks = ranks
+        self.state = ActuatorState()
+        fallback = (
+            "SGLang's adaptive policy" if config.fallback_depth is None else f"depth {config.fallback_depth}"
+        )
+        self.sync = TpSync(self.state, fallback_desc=fallback)
+        self.client: Any = None
+        self._client_failed = False
+        self.instance = ""
+        self.hello_depths: tuple[int, ...] = ()
+        self.seq = 0
+        self.prev_decode_ns: int | None = None
+        self.prefill_tokens = 0
+        self.skipped_records = 0
+        self.last_step_us = 0
+        self.last_bs = 0
+        # Benchmark: the hook's own cost accumulated since the previous step record.
+        self.pending_ns = 0
+        self._profile_path = os.environ.get(ENV_PROFILE_OUT, "") if ranks.is_entry else ""
+        self._profile: dict[str, list[int]] = {"hook_ns": [], "step_us": [], "bs": []}
+
+    # ------------------------------------------------------------------ entry rank: controller
+
+    def _ensure_client(self, server_args: Any) -> Any:
+        if self.client is not None or self._client_failed:
+            return self.client
+        try:
+            from controller.client import ControllerClient
+
+            spec_on = self.state.valid is not None
+            depths = tuple(sorted(self.state.valid)) if spec_on else (0,)  # type: ignore[arg-type]
+            if spec_on and depths != self.config.depths:
+                log_once(
+                    "depths-mismatch",
+                    "spec controller: SGLang built runtime states for depths %s, not --spec-depths %s; "
+                    "announcing %s",
+                    list(depths),
+                    list(self.config.depths),
+                    list(depths),
+                )
+            self.hello_depths = depths
+            self.instance = instance_name(self.config, server_args, self.ranks)
+            model = str(
+                getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
+            )
+            hello = Hello(
+                instance=self.instance,
+                depths=depths,
+                engine=f"sglang {compat.sglang_version()}",
+                model=model[:1024],
+                tp=self.ranks.tp_size,
+            )
+            self.client = ControllerClient(self.config.endpoint, hello, stale_ms=self.config.stale_ms)
+            logger.info(
+                "spec controller: instance %s -> %s (depths %s, stale %.0f ms)",
+                self.instance,
+                self.config.endpoint,
+                list(depths),
+                self.config.stale_ms,
+            )
+        except Exception:
+            self._client_failed = True
+            self.state.counters.hook_errors += 1
+            log_once("client", "spec controller: cannot start the controller client; telemetry off", exc=True)
+        return self.client
+
+    def offer(self, server_args: Any) -> DepthSync | None:
+        """Entry rank, top of each scheduler iteration: poll (non-blocking) and maybe emit a marker."""
+        client = self._ensure_client(server_args)
+        desired = client.poll_decision() if client is not None else None
+        return self.sync.offer(desired)
+
+    # ------------------------------------------------------------------ entry rank: telemetry
+
+    def after_batch_result(self, scheduler: Any, batch: Any, result: Any) -> None:
+        """After SGLang processed a batch result: one step record per decode (entry rank only)."""
+        if not self.ranks.is_entry:
+            return
+        t0 = time.perf_counter_ns()
+        mode = batch.forward_mode
+        if mode.is_decode():
+            self._record_decode(scheduler, batch, result)
+            cost = self.pending_ns + time.perf_counter_ns() - t0
+            self.pending_ns = 0
+            if self._profile_path:
+                self._profile_step(cost)
+        elif mode.is_extend():
+            n = getattr(batch, "extend_num_tokens", None)
+            if type(n) is int and n > 0:
+                self.prefill_tokens += n
+            self.pending_ns += time.perf_counter_ns() - t0
+
+    def _record_decode(self, scheduler: Any, batch: Any, result: Any) -> None:
+        now_ns = time.monotonic_ns()
+        bs = len(batch.reqs)
+        prev = self.prev_decode_ns
+        self.prev_decode_ns = now_ns
+        if bs == 0:
+            return
+        if prev is None:
+            # First decode after start or idle: time it from its own launch, not the idle gap.
+            launch = getattr(batch, "launch_ts", None)
+            prev = int(launch * 1e9) if isinstance(launch, float) else now_ns
+        step_us = min(max((now_ns - prev) // 1000, 0), MAX_STEP_US)
+        self.last_step_us, self.last_bs = int(step_us), bs
+        client = self._ensure_client(scheduler.server_args)
+        if client is None:
+            return
+        depth, accept = compat.step_depth_and_accept(batch, result, bs)
+        if accept is None:
+            self.skipped_records += 1
+            log_once("no-accept", "spec controller: SGLang reported no verify results; step not sent")
+            return
+        if depth not in self.hello_depths:
+            # The controller would refuse it (bad_depth); a gap in the trace is more honest.
+            self.skipped_records += 1
+            log_once(
+                f"depth-{depth}", "spec controller: step ran at depth %d, not announced; not sent", depth
+            )
+            return
+        self.seq += 1
+        step = Step(
+            instance=self.instance,
+            seq=self.seq,
+            depth=depth,
+            bs=bs,
+            waiting=len(scheduler.waiting_queue),
+            accept=accept,
+            step_us=int(step_us),
+            ctx_tokens=compat.ctx_tokens(batch),
+            kv_usage=compat.kv_usage(scheduler),
+            prefill_tokens=self.prefill_tokens,
+            ts_ns=now_ns,
+        )
+        self.prefill_tokens = 0
+        client.send_step(step)
+
+    def on_idle(self) -> None:
+        self.prev_decode_ns = None
+        self.pending_ns = 0
+
+    def add_cost(self, ns: int) -> None:
+        self.pending_ns += ns
+
+    def _profile_step(self, cost_ns: int) -> None:
+        prof = self._profile
+        prof["hook_ns"].append(cost_ns)
+        prof["step_us"].append(self.last_step_us)
+        prof["bs"].append(self.last_bs)
+        if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
+            self.flush_profile()
+
+    def flush_profile(self) -> None:
+        """Benchmark only: write the per-step hook costs (atomically) to ``$SPECDEPTH_PROFILE_OUT``."""
+        if not self._profile_path:
+            return
+        tmp = self._profile_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({**self._profile, "counters": vars_of(self.state.counters)}, f)
+        os.replace(tmp, self._profile_path)
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    """Slots dataclass → dict."""
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+def instance_name(config: HookConfig, server_args: Any, ranks: compat.Ranks) -> str:
+    """``--spec-instance`` if given, else ``<host>-<port>``; ``-dp<k>`` per data-parallel replica."""
+    base = config.instance or f"{socket.gethostname()}-{getattr(server_args, 'port', 0)}"
+    if ranks.dp_rank is not None and int(getattr(server_args, "dp_size", 1) or 1) > 1:
+        base = f"{base}-dp{ranks.dp_rank}"
+    return base[:128]
+
+
+# --------------------------------------------------------------------------- process state
+
+_runtime: HookRuntime | None = None
+_runtime_failed = False
+
+
+def runtime() -> HookRuntime | None:
+    """This process's :class:`HookRuntime`, built on first use inside a scheduler process."""
+    global _runtime, _runtime_failed
+    if _runtime is not None or _runtime_failed:
+        return _runtime
+    try:
+        config = HookConfig.from_env()
+        if config is None:
+            _runtime_failed = True
+            return None
+        _runtime = HookRuntime(config, compat.ranks())
+    except Exception:
+        _runtime_failed = True
+        log_once("runtime", "spec controller: hook disabled (bad configuration or SGLang mismatch)", exc=True)
+    return _runtime
+
+
+def reset_runtime(rt: HookRuntime | None = None) -> None:
+    """Tests: install ``rt`` (or nothing) as this process's runtime."""
+    global _runtime, _runtime_failed
+    _runtime, _runtime_failed = rt, False
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def controller_init_hook(original: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
+    """AROUND ``AdaptiveController.__init__``: build SGLang's controller, then wrap its params."""
+    original(controller, *args, **kwargs)
+    try:
+        rt = runtime()
+        if rt is not None:
+            wrap_controller_params(controller, rt.state, rt.config.fallback_depth, on_cost=rt.add_cost)
+    except Exception:
+        log_once("wrap", "spec controller: cannot wrap SGLang's adaptive params; SGLang decides", exc=True)
+
+
+def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``_broadcast_reqs_across_ranks``: the decision rides SGLang's request broadcast."""
+    rt = runtime()
+    if rt is None:
+        return original(receiver, recv_reqs, *args, **kwargs)
+    if recv_reqs is not None and rt.ranks.is_entry:
+        t0 = time.perf_counter_ns()
+        try:
+            marker = rt.offer(receiver.server_args)
+            if marker is not None:
+                recv_reqs = [*recv_reqs, marker]  # a copy: never mutate SGLang's list
+        except Exception:
+            rt.state.counters.hook_errors += 1
+            log_once("offer", "spec controller: polling failed; no decision this step", exc=True)
+        rt.add_cost(time.perf_counter_ns() - t0)
+    out = original(receiver, recv_reqs, *args, **kwargs)
+    try:
+        return rt.sync.take(out)
+    except Exception:
+        rt.state.counters.hook_errors += 1
+        log_once("take", "spec controller: cannot apply the broadcast decision", exc=True)
+        return [r for r in out if type(r) is not DepthSync] if out else out
+
+
+def batch_result_hook(
+    original: Any, scheduler: Any, batch: Any, result: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``Scheduler.process_batch_result``: SGLang first, then the step record."""
+    out = original(scheduler, batch, result, *args, **kwargs)
+    rt = runtime()
+    if rt is not None:
+        try:
+            rt.after_batch_result(scheduler, batch, result)
+        except Exception:
+            rt.state.counters.hook_errors += 1
+            log_once("record", "spec controller: cannot build the step record; skipped", exc=True)
+    return out
+
+
+def on_idle_hook(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler.on_idle``: forget the previous decode time."""
+    rt = runtime()
+    if rt is not None:
+        rt.on_idle()
+    return original(scheduler, *args, **kwargs)
+
+
+HOOKS = (
+    (compat.ADAPTIVE_CONTROLLER_INIT, controller_init_hook),
+    (compat.BROADCAST_REQS, broadcast_hook),
+    (compat.PROCESS_BATCH_RESULT, batch_result_hook),
+    (compat.ON_IDLE, on_idle_hook),
+)
+
+
+def register() -> None:
+    """Entry point: register the hooks when the launcher (or the user) configured a controller.
+
+    Without ``SPECDEPTH_CONTROLLER`` in the environment nothing is registered, so installing the
+    package changes nothing. Never raises: SGLang logs but tolerates plugin errors, and a broken
+    hook must not stop a server.
+    """
+    try:
+        config = HookConfig.from_env()
+    except ConfigError as exc:
+        logger.error("spec controller: hook not loaded: %s", exc)
+        return
+    if config is None:
+        return
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        for target, fn in HOOKS:
+            HookRegistry.register(target, fn, HookType.AROUND)
+    except Exception:
+        logger.exception("spec controller: hook not loaded")

@@ -1,0 +1,248 @@
+"""The actuator against SGLang's real ``AdaptiveController`` and a minimal adaptive worker.
+
+The worker below implements SGLang's ``AdaptiveSpecWorker`` protocol (build a runtime state per
+depth, apply one); the controller, its params and the TP broadcast (``broadcast_pyobj`` over a
+gloo group of two processes) are SGLang's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang_hook import compat, plugin  # noqa: E402
+from sglang_hook.actuator import ActuatorState, DepthSync, TpSync, wrap_controller_params  # noqa: E402
+from sglang_hook.config import HookConfig  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+DEPTHS = (0, 1, 2, 3, 5)
+# What the broadcast hook reads from SGLang's request receiver.
+RECEIVER = SimpleNamespace(server_args=SimpleNamespace(port=30000, model_path="tiny", dp_size=1))
+
+
+class MinimalAdaptiveWorker:
+    """Implements SGLang's ``AdaptiveSpecWorker`` protocol with plain runtime states."""
+
+    def __init__(self, steps: int) -> None:
+        self.speculative_num_steps = steps
+        self.speculative_num_draft_tokens = steps + 1
+        self.built: list[int] = []
+        self.applied: list[int] = []
+
+    def build_adaptive_runtime_state(
+        self, speculative_num_steps: int, speculative_num_draft_tokens: int, cuda_graph_bs: Any = None
+    ) -> Any:
+        from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+        self.built.append(speculative_num_steps)
+        return SpecRuntimeState(
+            speculative_num_steps=speculative_num_steps,
+            speculative_num_draft_tokens=speculative_num_draft_tokens,
+            draft_attn_backend=None,
+            cuda_graph_runner=None,
+            target_attn_backend=f"verify-width-{speculative_num_draft_tokens}",
+            target_graph_runner=None,
+            draft_extend_attn_backend=None,
+            cuda_graph_runner_for_draft_extend=None,
+        )
+
+    def apply_runtime_state(self, state: Any) -> None:
+        self.speculative_num_steps = state.speculative_num_steps
+        self.speculative_num_draft_tokens = state.speculative_num_draft_tokens
+        self.applied.append(state.speculative_num_steps)
+
+
+def make_controller(tmp: Path, fallback: int | None = None, initial: int = 3) -> tuple[Any, Any, TpSync]:
+    """SGLang's controller over the minimal worker, params wrapped, runtime states built."""
+    cfg = tmp / "adaptive.json"
+    cfg.write_text(json.dumps({"1": {"candidate_steps": list(DEPTHS)}}))
+    worker = MinimalAdaptiveWorker(initial)
+    controller = compat.new_adaptive_controller(worker, str(cfg))
+    state = ActuatorState()
+    wrap_controller_params(controller, state, fallback)
+    controller.register(worker.build_adaptive_runtime_state(initial, initial + 1))
+    controller.init_states(cuda_graph_bs=None)
+    return controller, worker, TpSync(state)
+
+
+def launch(controller: Any, sync: TpSync, desired: int | None, bs: int = 4) -> int:
+    """One scheduler iteration on a single rank: offer → broadcast (identity) → take → launch."""
+    marker = sync.offer(desired)
+    reqs: list[Any] = ["req-a"] + ([marker] if marker is not None else [])
+    assert sync.take(reqs) == ["req-a"]
+    controller.activate_step_by_batch(bs)
+    return controller.worker.speculative_num_steps
+
+
+def test_every_depth_has_a_runtime_state(tmp_path: Path) -> None:
+    controller, worker, sync = make_controller(tmp_path)
+    assert sorted(set(worker.built)) == list(DEPTHS)
+    assert sync.state.valid == frozenset(DEPTHS)
+    assert controller.params.candidate_steps == list(DEPTHS)
+
+
+def test_decisions_switch_the_active_runtime_state(tmp_path: Path) -> None:
+    controller, worker, sync = make_controller(tmp_path)
+    for depth in (5, 1, 0, 2, 2, 3, 5):
+        assert launch(controller, sync, depth) == depth
+        assert worker.speculative_num_draft_tokens == depth + 1
+    # A repeated decision sends no new marker: the applied depth is sticky.
+    assert sync.state.counters.syncs_sent == 6
+    assert sync.state.counters.controller_steps == 7
+
+
+def test_controller_in_charge_blocks_sglang_switches_but_keeps_its_ema_warm(tmp_path: Path) -> None:
+    controller, worker, sync = make_controller(tmp_path)
+    assert launch(controller, sync, 1) == 1
+    inner = controller.params.inner
+    before = inner.get_steps_for_batch(4)
+    # Long accepted runs: SGLang's own rule wants to step up after warm-up.
+    for _ in range(40):
+        controller.on_verify_complete([5, 5, 5, 5], 4)
+        assert worker.speculative_num_steps == 1, "SGLang's policy switched while the controller decides"
+    assert inner.get_steps_for_batch(4) > before
+
+
+def test_stale_or_missing_decision_falls_back_to_sglang_policy(tmp_path: Path) -> None:
+    controller, worker, sync = make_controller(tmp_path)
+    assert launch(controller, sync, 5) == 5
+    sglang_choice = controller.params.inner.get_steps_for_batch(4)
+    assert sglang_choice != 5
+    assert launch(controller, sync, None) == sglang_choice
+    assert sync.state.counters.fallback_steps == 1
+    # In the fallback SGLang's own switches apply again.
+    for _ in range(40):
+        controller.on_verify_complete([0, 0, 0, 0], 4)
+    assert worker.speculative_num_steps == controller.params.inner.get_steps_for_batch(4)
+    assert worker.speculative_num_steps < sglang_choice
+    # Decisions resume.
+    assert launch(controller, sync, 2) == 2
+
+
+def test_fixed_fallback_depth(tmp_path: Path) -> None:
+    controller, worker, sync = make_controller(tmp_path, fallback=1)
+    assert launch(controller, sync, None) == 1
+    assert launch(controller, sync, 5) == 5
+    assert launch(controller, sync, None) == 1
+    for _ in range(40):
+        controller.on_verify_complete([1, 1, 1, 1], 4)
+        assert worker.speculative_num_steps == 1
+
+
+def test_invalid_depth_is_ignored_and_counted(tmp_path: Path) -> None:
+    controller, worker, sync = make_controller(tmp_path)
+    assert launch(controller, sync, 5) == 5
+    sglang_choice = controller.params.inner.get_steps_for_batch(4)
+    assert launch(controller, sync, 4) == sglang_choice  # 4 has no runtime state
+    assert sync.state.counters.invalid_depth == 1
+    assert launch(controller, sync, 3) == 3
+
+
+def test_actuator_failure_falls_back_to_sglang(tmp_path: Path) -> None:
+    controller, worker, sync = make_controller(tmp_path)
+    launch(controller, sync, 5)
+    sync.state.valid = None  # corrupt the state: the wrapper's own logic now raises
+    controller.activate_step_by_batch(4)
+    assert worker.speculative_num_steps == controller.params.inner.get_steps_for_batch(4)
+    assert sync.state.counters.hook_errors == 1
+
+
+class ScriptedDecisions:
+    """Stands in for the controller client on the entry rank: ``poll_decision`` from a script."""
+
+    def __init__(self, script: list[int | None]) -> None:
+        self.script = script
+        self.i = 0
+
+    def poll_decision(self) -> int | None:
+        value = self.script[self.i]
+        self.i += 1
+        return value
+
+
+def test_broadcast_hook_survives_a_failing_poll() -> None:
+    rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
+
+    class Broken:
+        def poll_decision(self) -> int | None:
+            raise RuntimeError("boom")
+
+    rt.client = Broken()
+    plugin.reset_runtime(rt)
+    try:
+        out = plugin.broadcast_hook(lambda recv, reqs: reqs, RECEIVER, ["a", "b"])
+        assert out == ["a", "b"]
+        assert rt.state.counters.hook_errors == 1
+    finally:
+        plugin.reset_runtime(None)
+
+
+def _tp_rank_main(rank: int, world: int, init_file: str, script: list[int | None], out_dir: str) -> None:
+    import torch.distributed as dist
+    from sglang.srt.utils import broadcast_pyobj
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    tmp = Path(out_dir) / f"rank{rank}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    rt = plugin.HookRuntime(
+        HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks(tp_rank=rank, tp_size=world)
+    )
+    plugin.reset_runtime(rt)
+    cfg = tmp / "adaptive.json"
+    cfg.write_text(json.dumps({"1": {"candidate_steps": list(DEPTHS)}}))
+    worker = MinimalAdaptiveWorker(3)
+    controller = compat.new_adaptive_controller(worker, str(cfg))
+    plugin.controller_init_hook(lambda c: None, controller)  # the plugin's own wrapping
+    controller.register(worker.build_adaptive_runtime_state(3, 4))
+    controller.init_states(cuda_graph_bs=None)
+    if rank == 0:
+        rt.client = ScriptedDecisions(script)
+
+    def original(receiver: Any, recv_reqs: Any) -> Any:
+        return broadcast_pyobj(recv_reqs, rank, None, src=0)
+
+    rng = random.Random(7)  # same seed on every rank: identical verify results, as in SGLang
+    applied = []
+    for step in range(len(script)):
+        pulled = [f"req-{step}"] if rank == 0 and step % 3 == 0 else ([] if rank == 0 else None)
+        reqs = plugin.broadcast_hook(original, RECEIVER, pulled)
+        assert all(type(r) is not DepthSync for r in reqs)
+        assert reqs == ([f"req-{step}"] if step % 3 == 0 else [])
+        bs = 1 + step % 4
+        controller.activate_step_by_batch(bs)
+        applied.append(worker.speculative_num_steps)
+        controller.on_verify_complete([rng.randint(0, worker.speculative_num_steps) for _ in range(bs)], bs)
+    (Path(out_dir) / f"applied{rank}.json").write_text(
+        json.dumps({"applied": applied, "invalid": rt.state.counters.invalid_depth})
+    )
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp_broadcast_applies_the_same_depth_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    rng = random.Random(3)
+    choices: list[int | None] = [0, 1, 2, 3, 5, None, 4]  # 4: no runtime state, ignored
+    script = [rng.choice(choices) for _ in range(60)]
+    for k in range(10, 14):
+        script[k] = None  # a stale stretch
+    world = 2
+    init_file = str(tmp_path / "dist-init")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_tp_rank_main, args=(world, init_file, script, str(tmp_path)), nprocs=world, join=True)
+    runs = [json.loads((tmp_path / f"applied{r}.json").read_text()) for r in range(world)]
+    assert runs[0]["applied"] == runs[1]["applied"]
+    for step, (want, got) in enumerate(zip(script, runs[0]["applied"], strict=True)):
+        if want is not None and want in DEPTHS:
+            assert got == want, f"step {step}: decision {want}, applied {got}"
+    assert runs[0]["invalid"] == script.count(4)
