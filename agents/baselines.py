@@ -247,13 +247,15 @@ class GoodputPolicy:
     comes from ``latency_fn(depth, bs, ctx_tokens)`` (a fitted model, µs) when given; without
     one (``controller serve`` with no sim), from the Featurizer's measured latency table
     (``lat_ratio_k``), probing, every ``probe_every`` steps, a depth whose cost in this
-    batch-size bucket is unknown or stale, so the table fills in.
+    batch-size bucket is unknown or stale, so the table fills in. After ``probe_zero_every``
+    steps at depth 0 (where acceptance goes unobserved) it drafts once to re-measure it.
 
     Args:
         name: policy name.
         depths: the allowed depths.
         latency_fn: fitted step cost in µs, or None for the measured table.
         probe_every: steps between probes of an unmeasured depth (measured-table mode).
+        probe_zero_every: depth-0 steps between acceptance probes.
     """
 
     def __init__(
@@ -262,11 +264,13 @@ class GoodputPolicy:
         depths: tuple[int, ...],
         latency_fn: LatencyFn | None = None,
         probe_every: int = 100,
+        probe_zero_every: int = 20,
     ) -> None:
         self.name = name
         self.depths = depths
         self.latency_fn = latency_fn
         self.probe_every = probe_every
+        self.probe_zero_every = probe_zero_every
         names = Featurizer(depths).feature_names
         self._p_idx = [names.index(f"p_accept_{i}") for i in range(1, depths[-1] + 1)]
         self._gp_idx = [names.index(f"goodput_{d}") for d in depths]
@@ -275,6 +279,7 @@ class GoodputPolicy:
 
     def reset(self) -> None:
         self._t = 0
+        self._zero_run = 0
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, action) -> last step measured
 
     def expected_tokens(self, obs: np.ndarray) -> list[float]:
@@ -288,13 +293,21 @@ class GoodputPolicy:
 
     def act(self, obs: np.ndarray, step: Step) -> int:
         self._t += 1
+        self._zero_run = self._zero_run + 1 if step.depth == 0 else 0
         if self.latency_fn is not None:
             tokens = self.expected_tokens(obs)
             rates = [
                 tok / max(self.latency_fn(d, step.bs, step.ctx_tokens), 1.0)
                 for tok, d in zip(tokens, self.depths)
             ]
-            return int(np.argmax(rates))
+            best = int(np.argmax(rates))
+            # Without drafting, acceptance is not observed and its estimate freezes; a batch
+            # whose requests changed would stay at depth 0 for ever. Probe the best positive
+            # depth for one step every probe_zero_every steps spent at depth 0.
+            if self.depths[best] == 0 and len(self.depths) > 1 and self._zero_run >= self.probe_zero_every:
+                self._zero_run = 0
+                return 1 + int(np.argmax(rates[1:]))
+            return best
         # Measured-table mode: the observation's goodput_k is log(tokens/s at k ÷ at depth 0)
         # from the measured latency of the nearest bucket with data.
         bucket = bs_bucket(step.bs)

@@ -1,0 +1,94 @@
+"""``controller train`` and ``controller eval``: the offline half of the project.
+
+Heavy imports (torch, SB3, gymnasium, matplotlib) happen inside the handlers so that
+``controller --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from controller.errors import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``train`` and ``eval`` to the ``controller`` command."""
+    t = subparsers.add_parser(
+        "train",
+        help="fit the simulator to traces and train a PPO depth policy in it",
+        description=(
+            "Fit the simulator (traces + latency profiles, or a bundled deployment), train SB3 PPO "
+            "in it with domain randomization over the fit's uncertainty, workloads and the "
+            "overlap-scheduling action delay, and write ppo.zip (servable by `controller serve "
+            "--policy`), the sim.json it used, TensorBoard logs and a training report."
+        ),
+    )
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--traces", type=Path, help="folder of recorded runs/*.msgpack traces to fit")
+    src.add_argument("--deployment", help="a bundled deployment instead of traces (h200-llama8b, seed)")
+    src.add_argument("--sim", type=Path, help="an already fitted sim.json")
+    t.add_argument(
+        "--profile", type=Path, action="append", default=[], help="latency profile CSV (repeatable)"
+    )
+    t.add_argument("--out", type=Path, required=True, help="where ppo.zip goes; its folder gets the rest")
+    t.add_argument("--timesteps", type=int, default=None, help="PPO environment steps (default: the budget)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--n-envs", type=int, default=None, help="parallel simulator copies (in-process)")
+    t.add_argument("--depths", default=None, help="allowed depths, e.g. 0,1,2,3,5")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=_train)
+
+    e = subparsers.add_parser(
+        "eval",
+        help="evaluate a PPO policy against every baseline in the simulator",
+        description=(
+            "Run every policy on identical seeds and workloads (closed-loop concurrency sweep, "
+            "open-loop Poisson loads, non-stationary workloads) and write report.md, "
+            "results.json and PNG plots."
+        ),
+    )
+    src = e.add_mutually_exclusive_group(required=True)
+    src.add_argument("--sim", type=Path, help="a fitted sim.json")
+    src.add_argument("--deployment", help="a bundled deployment (h200-llama8b, seed)")
+    e.add_argument("--policy", action="append", default=[], help="PPO zip or builtin:NAME (repeatable)")
+    e.add_argument("--baselines", default="all", help="'all', 'none' or a comma list of builtin names")
+    e.add_argument("--out", type=Path, required=True, help="output folder")
+    e.add_argument("--seeds", type=int, default=None, help="seeds per (workload, policy); ≥ 5 for the report")
+    e.add_argument("--scale", type=float, default=None, help="multiply every run's length (default 1)")
+    e.add_argument("--concurrency", default=None, help="closed-loop C values, e.g. 1,2,4,...,250")
+    e.add_argument("--jobs", type=int, default=1, help="worker processes")
+    e.add_argument("--depths", default=None, help="allowed depths, e.g. 0,1,2,3,5")
+    e.set_defaults(func=_eval)
+
+
+def _depths(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        depths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--depths must be a comma list of integers, got {text!r}") from None
+    if not depths or list(depths) != sorted(set(depths)) or depths[0] < 0:
+        raise ConfigError(f"--depths must be strictly increasing non-negative integers, got {text!r}")
+    return depths
+
+
+def _train(args: argparse.Namespace) -> int:
+    from agents.train import TrainConfig, train
+
+    cfg = TrainConfig.from_args(args, depths=_depths(args.depths))
+    result = train(cfg)
+    print(
+        f"wrote {result.zip_path} ({result.timesteps} steps in {result.wall_s:.0f} s); report {result.report_path}"
+    )
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from agents.evaluate import EvalConfig, evaluate
+
+    cfg = EvalConfig.from_args(args, depths=_depths(args.depths))
+    report = evaluate(cfg)
+    print(f"wrote {report}")
+    return 0

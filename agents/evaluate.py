@@ -1,0 +1,422 @@
+"""``controller eval``: every policy on identical seeds and workloads in the fitted simulator.
+
+Workloads (the default suite; ``--concurrency`` and ``--scale`` change its size):
+
+- ``closed``: closed-loop concurrency sweep, ``closed:C`` for C in 1…250 — the seed
+  deployment's benchmark. Score: throughput (tokens/s).
+- ``poisson``: open-loop Poisson arrivals at 30/60/85% of the deployment's capacity
+  (capacity = static:0 throughput at C=256 ÷ mean output length). Score: per-request decode
+  speed, 1000 / mean TPOT (tokens/s per request) — throughput there is set by the arrivals.
+- ``nonstationary``: load ramp, bursts, and acceptance phase shifts between chat-like and
+  code-like traffic (closed-loop and open-loop bases). Score: as the base (closed loop:
+  throughput; open loop: 1000 / mean TPOT).
+
+Every (workload, policy) runs on the same seeds 0…n−1, so policies see the same arrivals,
+lengths and acceptance draws (common random numbers).
+
+``results.json`` schema (version 1)::
+
+    {
+      "schema": 1,
+      "config": {...resolved EvalConfig...},
+      "sim": "<name>", "depths": [0, 1, 2, 3, 5], "seeds": [0, 1, 2, 3, 4],
+      "workloads": {
+        "<spec>": {
+          "family": "closed" | "poisson" | "nonstationary",
+          "x": <C, or load fraction, or null>,
+          "score_metric": "throughput_tok_s" | "per_request_tok_s",
+          "policies": {
+            "<policy>": {
+              "<metric>": {"mean": float, "ci95": [lo, hi], "values": [one per seed]},
+              ...   # throughput_tok_s, tpot_ms_mean, tpot_ms_p99, per_request_tok_s,
+                    # mean_depth, score
+            }
+          }
+        }
+      },
+      "targets": [{"name": str, "value": float, "threshold": float, "passed": bool, "detail": str}]
+    }
+
+CIs are Student-t 95% intervals of the mean over seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from controller.errors import ConfigError
+from controller.policy import Policy, make_factory
+
+DEFAULT_DEPTHS = (0, 1, 2, 3, 5)
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 250)
+ADAPTIVE = ("vllm-dsd", "trtllm-schedule", "sglang-adaptive", "goodput", "bandit")
+POISSON_LOADS = (0.3, 0.6, 0.85)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What ``controller eval`` runs.
+
+    Attributes:
+        sim: a fitted sim.json (or None with ``deployment``).
+        deployment: a bundled deployment name (or None with ``sim``).
+        policies: PPO zips or ``builtin:NAME`` specs to evaluate besides the baselines.
+        baselines: ``"all"``, ``"none"`` or a comma list of builtin names (``oracle`` included).
+        out: output folder.
+        seeds: seeds per (workload, policy).
+        scale: multiplies every run's simulated length.
+        concurrency: the closed-loop sweep.
+        jobs: worker processes.
+        depths: allowed depths (default: the PPO zip's, else 0,1,2,3,5).
+        closed_s / open_s / nonstationary_s: simulated seconds per run, before ``scale``.
+        trace_policies: policies whose depth-vs-batch-size trace is plotted.
+    """
+
+    sim: Path | None = None
+    deployment: str | None = None
+    policies: tuple[str, ...] = ()
+    baselines: str = "all"
+    out: Path = Path("eval")
+    seeds: int = 5
+    scale: float = 1.0
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    jobs: int = 1
+    depths: tuple[int, ...] | None = None
+    closed_s: float = 20.0
+    open_s: float = 30.0
+    nonstationary_s: float = 60.0
+    trace_policies: tuple[str, ...] = ("ppo", "sglang-adaptive", "goodput", "oracle")
+
+    @classmethod
+    def from_args(cls, args: Any, depths: tuple[int, ...] | None) -> EvalConfig:
+        conc = DEFAULT_CONCURRENCY
+        if args.concurrency:
+            try:
+                conc = tuple(int(c) for c in args.concurrency.split(","))
+            except ValueError:
+                raise ConfigError(
+                    f"--concurrency must be a comma list of integers: {args.concurrency!r}"
+                ) from None
+        return cls(
+            sim=args.sim,
+            deployment=args.deployment,
+            policies=tuple(args.policy),
+            baselines=args.baselines,
+            out=args.out,
+            seeds=args.seeds if args.seeds is not None else 5,
+            scale=args.scale if args.scale is not None else 1.0,
+            concurrency=conc,
+            jobs=max(1, args.jobs),
+            depths=depths,
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    spec: str
+    family: str
+    x: float | None
+    duration_s: float
+    label: str = ""
+
+
+@dataclass
+class _Job:
+    sim_json: str
+    workload: Workload
+    policy: str  # display name
+    spec: str  # how to build it (see _build_policy)
+    depths: tuple[int, ...]
+    seed: int
+    keep_trace: bool = False
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- simulator glue
+
+
+def load_sim(sim: Path | None, deployment: str | None):
+    """The SimParams of a sim.json or a bundled deployment."""
+    from env.params import SimParams
+
+    if sim is not None:
+        return SimParams.from_json(sim)
+    if deployment is None:
+        raise ConfigError("give --sim or --deployment")
+    from env.deployments import load_deployment
+
+    return load_deployment(deployment)
+
+
+def _build_policy(spec: str, depths: tuple[int, ...], params: Any) -> Policy:
+    """A policy from an eval spec: ``oracle``, ``goodput`` (bound to the sim's latency model),
+    any ``builtin:NAME``/bare builtin name, or a PPO zip path."""
+    if spec == "oracle":
+        from agents.oracle import OraclePolicy
+
+        return OraclePolicy(depths)
+    if spec == "goodput":
+        from agents.baselines import GoodputPolicy
+        from env.latency import step_time_us
+
+        lat = params.latency
+        return GoodputPolicy("goodput", depths, latency_fn=lambda d, bs, ctx: step_time_us(lat, bs, d, ctx))
+    if spec.endswith(".zip"):
+        return make_factory(spec, depths)(depths)
+    name = spec[len("builtin:") :] if spec.startswith("builtin:") else spec
+    return make_factory(f"builtin:{name}", depths)(depths)
+
+
+_PARAMS_CACHE: dict[str, Any] = {}
+
+
+def _params_from_json(text: str) -> Any:
+    params = _PARAMS_CACHE.get(text)
+    if params is None:
+        from env.params import SimParams
+
+        params = SimParams.from_dict(json.loads(text))
+        _PARAMS_CACHE.clear()
+        _PARAMS_CACHE[text] = params
+    return params
+
+
+def run_job(job: _Job) -> _Job:
+    """Run one (workload, policy, seed) in the simulator; fills ``job.result``."""
+    from env.runner import simulate
+
+    params = _params_from_json(job.sim_json)
+    policy = _build_policy(job.spec, job.depths, params)
+    res = simulate(
+        params,
+        job.workload.spec,
+        policy,
+        depths=job.depths,
+        seed=job.seed,
+        duration_s=job.workload.duration_s,
+    )
+    out = {
+        "throughput_tok_s": float(res.throughput_tok_s),
+        "tpot_ms_mean": float(res.tpot_ms_mean),
+        "tpot_ms_p99": float(res.tpot_ms_p99),
+    }
+    out["per_request_tok_s"] = 1000.0 / out["tpot_ms_mean"] if out["tpot_ms_mean"] > 0 else 0.0
+    depths_run, bs, t_s = _trace_arrays(res)
+    out["mean_depth"] = float(np.mean(depths_run)) if len(depths_run) else 0.0
+    if job.keep_trace and len(depths_run):
+        stride = max(1, len(depths_run) // 1500)
+        out["trace"] = {
+            "t_s": [round(float(x), 4) for x in t_s[::stride]],
+            "bs": [int(x) for x in bs[::stride]],
+            "depth": [int(x) for x in depths_run[::stride]],
+        }
+    job.result = out
+    return job
+
+
+def _trace_arrays(res: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(depth, bs, time in s) per step from a RunResult."""
+    return np.asarray(res.trace_depth), np.asarray(res.trace_bs), np.asarray(res.trace_time_s)
+
+
+# --------------------------------------------------------------------------- the suite
+
+
+def mean_output_tokens(params: Any) -> float:
+    """Mean of the deployment's clipped log-normal output length (Monte Carlo, fixed seed)."""
+    wp = params.workload
+    x = np.random.default_rng(0).lognormal(math.log(wp.output_median_tokens), wp.output_sigma, 200_000)
+    return float(np.clip(x, wp.output_min_tokens, wp.output_max_tokens).mean())
+
+
+def build_suite(cfg: EvalConfig, capacity_req_s: float) -> list[Workload]:
+    """The default workloads for a deployment whose capacity is ``capacity_req_s``."""
+    s = cfg.scale
+    out = [Workload(f"closed:{c}", "closed", float(c), cfg.closed_s * s, f"C={c}") for c in cfg.concurrency]
+    for load in POISSON_LOADS:
+        rate = round(load * capacity_req_s, 3)
+        out.append(Workload(f"poisson:{rate}", "poisson", load, cfg.open_s * s, f"{load:.0%} load"))
+    d = cfg.nonstationary_s * s
+    lo, hi = round(0.1 * capacity_req_s, 3), round(0.9 * capacity_req_s, 3)
+    mid = round(0.5 * capacity_req_s, 3)
+    out += [
+        Workload(f"ramp:{lo},{hi},{d:g}", "nonstationary", None, d, "load ramp 10→90%"),
+        Workload(
+            f"burst:{lo},{round(1.2 * capacity_req_s, 3)},{d / 4:g},0.25", "nonstationary", None, d, "bursts"
+        ),
+        Workload(f"phase:{d / 3:g}:closed:16", "nonstationary", None, d, "chat↔code, C=16"),
+        Workload(f"phase:{d / 3:g}:poisson:{mid}", "nonstationary", None, d, "chat↔code, 50% load"),
+    ]
+    return out
+
+
+def _score_metric(w: Workload) -> str:
+    closed_base = w.spec.startswith("closed:") or (w.spec.startswith("phase:") and ":closed:" in w.spec)
+    return "throughput_tok_s" if closed_base else "per_request_tok_s"
+
+
+def ci95(values: Sequence[float]) -> tuple[float, float, float]:
+    """Mean and Student-t 95% confidence interval of the mean."""
+    x = np.asarray(values, dtype=float)
+    m = float(x.mean())
+    if len(x) < 2:
+        return m, m, m
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return m, m - half, m + half
+
+
+def _policy_list(cfg: EvalConfig, depths: tuple[int, ...]) -> list[tuple[str, str]]:
+    """(display name, spec) of every policy to run."""
+    out: list[tuple[str, str]] = []
+    if cfg.baselines == "all":
+        names = [f"static:{d}" for d in depths] + list(ADAPTIVE) + ["oracle"]
+    elif cfg.baselines == "none":
+        names = []
+    else:
+        names = [n.strip() for n in cfg.baselines.split(",") if n.strip()]
+    out += [(n, n) for n in names]
+    for spec in cfg.policies:
+        if spec.endswith(".zip"):
+            name = "ppo" if sum(p.endswith(".zip") for p in cfg.policies) == 1 else f"ppo:{Path(spec).stem}"
+            out.append((name, str(Path(spec).resolve())))
+        else:
+            out.append((spec.removeprefix("builtin:"), spec))
+    return out
+
+
+def evaluate(cfg: EvalConfig) -> Path:
+    """Run the suite and write report.md, results.json and plots; returns the report path."""
+    params = load_sim(cfg.sim, cfg.deployment)
+    depths = cfg.depths
+    zips = [p for p in cfg.policies if p.endswith(".zip")]
+    if depths is None:
+        if zips:
+            from controller.ppo_policy import read_ppo_zip
+
+            depths = read_ppo_zip(zips[0])[0].depths
+        else:
+            depths = DEFAULT_DEPTHS
+    if cfg.seeds < 1:
+        raise ConfigError("--seeds must be ≥ 1")
+    policies = _policy_list(cfg, depths)
+    for _, spec in policies:  # fail before hours of simulation, not after
+        _build_policy(spec, depths, params)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    sim_json = json.dumps(params.to_dict())
+    t0 = time.perf_counter()
+
+    # Capacity from static:0 at full concurrency, seed 0: sizes the open-loop loads.
+    probe = run_job(
+        _Job(
+            sim_json,
+            Workload("closed:256", "closed", 256.0, cfg.closed_s * cfg.scale),
+            "static:0",
+            "static:0",
+            depths,
+            0,
+        )
+    )
+    capacity = probe.result["throughput_tok_s"] / mean_output_tokens(params)
+    suite = build_suite(cfg, capacity)
+    trace_wl = next((w.spec for w in suite if w.spec.startswith("ramp:")), None)
+    jobs = [
+        _Job(
+            sim_json,
+            w,
+            name,
+            spec,
+            depths,
+            seed,
+            keep_trace=(seed == 0 and w.spec == trace_wl and name in cfg.trace_policies),
+        )
+        for w in suite
+        for name, spec in policies
+        for seed in range(cfg.seeds)
+    ]
+    done = _run_all(jobs, cfg.jobs)
+    results = _collect(cfg, params, depths, suite, policies, done)
+    results["wall_s"] = round(time.perf_counter() - t0, 1)
+    results["capacity_req_s"] = capacity
+    from agents.report import write_eval_outputs
+
+    return write_eval_outputs(results, cfg.out)
+
+
+def _run_all(jobs: list[_Job], n_workers: int) -> list[_Job]:
+    from tqdm import tqdm
+
+    if n_workers <= 1:
+        return [run_job(j) for j in tqdm(jobs, desc="eval", unit="run", mininterval=2.0)]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with ProcessPoolExecutor(n_workers) as pool:
+        return list(
+            tqdm(
+                pool.map(run_job, jobs, chunksize=4),
+                total=len(jobs),
+                desc="eval",
+                unit="run",
+                mininterval=2.0,
+            )
+        )
+
+
+def _collect(
+    cfg: EvalConfig,
+    params: Any,
+    depths: tuple[int, ...],
+    suite: list[Workload],
+    policies: list[tuple[str, str]],
+    done: list[_Job],
+) -> dict[str, Any]:
+    by: dict[tuple[str, str], list[_Job]] = {}
+    for j in done:
+        by.setdefault((j.workload.spec, j.policy), []).append(j)
+    workloads: dict[str, Any] = {}
+    traces: dict[str, Any] = {}
+    for w in suite:
+        metric = _score_metric(w)
+        entry: dict[str, Any] = {
+            "family": w.family,
+            "x": w.x,
+            "label": w.label,
+            "score_metric": metric,
+            "policies": {},
+        }
+        for name, _ in policies:
+            runs = sorted(by[(w.spec, name)], key=lambda j: j.seed)
+            stats: dict[str, Any] = {}
+            for key in ("throughput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "per_request_tok_s", "mean_depth"):
+                vals = [r.result[key] for r in runs]
+                m, lo, hi = ci95(vals)
+                stats[key] = {"mean": m, "ci95": [lo, hi], "values": vals}
+            stats["score"] = stats[metric]
+            entry["policies"][name] = stats
+            for r in runs:
+                if "trace" in r.result:
+                    traces.setdefault(w.spec, {})[name] = r.result["trace"]
+        workloads[w.spec] = entry
+    cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    return {
+        "schema": 1,
+        "config": cfg_dict,
+        "sim": params.name,
+        "depths": list(depths),
+        "seeds": list(range(cfg.seeds)),
+        "workloads": workloads,
+        "traces": traces,
+    }
+
+
+__all__ = ["EvalConfig", "Workload", "build_suite", "ci95", "evaluate", "load_sim", "run_job"]

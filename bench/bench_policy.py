@@ -1,0 +1,77 @@
+"""Per-decision cost of the served PPO policy: numpy MLP vs SB3 ``predict``, side by side.
+
+Usage: ``python bench/bench_policy.py [PPO_ZIP]`` (default: the bundled policy, or a freshly
+initialised 2×64 tanh policy when none is bundled). Prints one table; the ratio is measured
+in this one run, on the same observations.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from controller.features import Featurizer
+from controller.ppo_policy import load_ppo_factory, meta_for, write_metadata
+from controller.protocol import Step
+
+DEPTHS = (0, 1, 2, 3, 5)
+N = 5000
+
+
+def _fresh_zip(folder: Path) -> Path:
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+
+    obs_dim = Featurizer(DEPTHS).obs_dim
+
+    class Spaces(gym.Env):
+        observation_space = gym.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
+        action_space = gym.spaces.Discrete(len(DEPTHS))
+
+    path = folder / "fresh.zip"
+    PPO("MlpPolicy", Spaces(), policy_kwargs={"net_arch": [64, 64]}, device="cpu", n_steps=64).save(path)
+    write_metadata(path, meta_for(DEPTHS, (64, 64)))
+    return path
+
+
+def main() -> None:
+    import torch
+    from stable_baselines3 import PPO
+
+    torch.set_num_threads(1)
+    bundled = Path(__file__).resolve().parents[1] / "agents" / "bundled" / "h200-llama8b" / "ppo.zip"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = (
+            Path(sys.argv[1]) if len(sys.argv) > 1 else bundled if bundled.exists() else _fresh_zip(Path(tmp))
+        )
+        factory = load_ppo_factory(path)
+        policy = factory(factory.meta.depths)
+        obs = np.random.default_rng(0).normal(0, 1, (N, factory.meta.obs_dim)).astype(np.float32)
+        step = Step("i", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1)
+        model = PPO.load(path, device="cpu")  # trusted local file: only the benchmark unpickles
+
+        def timed(fn) -> float:
+            fn(obs[0])
+            t0 = time.perf_counter()
+            for o in obs:
+                fn(o)
+            return (time.perf_counter() - t0) / N * 1e6
+
+        numpy_us = timed(lambda o: policy.act(o, step))
+        predict_us = timed(lambda o: model.predict(o, deterministic=True))
+        agree = np.mean(
+            [policy.act(o, step) == int(model.predict(o, deterministic=True)[0]) for o in obs[:1000]]
+        )
+    print(f"policy: {path}")
+    print(f"{'method':<22}{'µs/decision':>12}")
+    print(f"{'numpy MLP (served)':<22}{numpy_us:>12.1f}")
+    print(f"{'SB3 predict':<22}{predict_us:>12.1f}")
+    print(f"{'speed-up':<22}{predict_us / numpy_us:>11.1f}×   (agreement on 1000 obs: {agree:.3f})")
+
+
+if __name__ == "__main__":
+    main()
