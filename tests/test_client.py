@@ -1,0 +1,280 @@
+"""The hook-side client: never blocks, never raises, latest valid decision wins, re-hello."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from controller.client import ControllerClient
+from controller.protocol import Hello, Step, pack
+from controller.service import ServeConfig, Server
+
+DEPTHS = (0, 1, 2, 3)
+
+
+def make_step(seq: int, instance: str = "r1") -> Step:
+    return Step(instance, seq, 2, 3, 0, [0, 1, 2], 10_000, 3000, 0.1, 0, time.monotonic_ns())
+
+
+class FakeController:
+    """A raw ROUTER standing in for the controller where a test must craft its replies."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.peer: bytes | None = None
+
+    def recv(self, timeout_ms: int = 3000) -> dict[str, Any]:
+        assert self.sock.poll(timeout_ms), "nothing from the client"
+        self.peer, frame = self.sock.recv_multipart()
+        return msgpack.unpackb(frame)
+
+    def reply(self, wire: dict[str, Any] | bytes) -> None:
+        assert self.peer is not None
+        self.sock.send_multipart([self.peer, wire if isinstance(wire, bytes) else pack(wire)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Iterator[tuple[FakeController, str]]:
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    ctl = FakeController(endpoint)
+    yield ctl, endpoint
+    ctl.close()
+
+
+def connected(endpoint: str, ctl: FakeController, **kw: Any) -> ControllerClient:
+    """A client whose hello reached the fake controller."""
+    client = ControllerClient(endpoint, Hello("r1", DEPTHS), **kw)
+    deadline = time.monotonic() + 5
+    while client.counters["hellos"] == 0 and time.monotonic() < deadline:
+        client.send_step(make_step(0))  # retries the hello once the connection is up
+        time.sleep(0.01)
+    assert ctl.recv()["t"] == "hello"
+    while ctl.sock.poll(50):  # steps sent while connecting
+        ctl.recv()
+    return client
+
+
+def decision(seq: int, depth: int, instance: str = "r1") -> dict[str, Any]:
+    return {"t": "decision", "v": 1, "instance": instance, "seq": seq, "depth": depth}
+
+
+def wait_poll(client: ControllerClient, want: int | None, timeout_s: float = 3.0) -> int | None:
+    deadline = time.monotonic() + timeout_s
+    got = client.poll_decision()
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.002)
+        got = client.poll_decision()
+    return got
+
+
+def test_latest_valid_decision_wins_and_invalid_ones_are_counted(fake: tuple[FakeController, str]) -> None:
+    ctl, endpoint = fake
+    client = connected(endpoint, ctl)
+    try:
+        assert client.poll_decision() is None
+        ctl.reply(decision(1, 2))
+        ctl.reply(decision(2, 9))  # depth not in hello.depths: ignored
+        ctl.reply(decision(3, 1, instance="someone-else"))
+        ctl.reply(b"\xc1 not msgpack")
+        ctl.reply({"t": "decision", "v": 2, "instance": "r1", "seq": 4, "depth": 3})
+        ctl.reply({"t": "decision", "v": 1, "instance": "r1", "seq": 5, "depth": "3"})
+        time.sleep(0.05)
+        assert client.poll_decision() == 2
+        assert client.counters["decisions"] == 1 and client.counters["invalid"] == 5
+        ctl.reply(decision(6, 3))
+        ctl.reply(decision(7, 0))
+        assert wait_poll(client, 0) == 0  # newest wins, depth 0 is a real answer
+        ctl.reply({"t": "welcome", "v": 1, "policy": "p", "features": 3})
+        deadline = time.monotonic() + 3
+        while client.counters["welcomes"] == 0 and time.monotonic() < deadline:
+            assert client.poll_decision() == 0
+        assert client.policy == "p" and client.features == 3
+    finally:
+        client.close()
+
+
+def test_decisions_go_stale_after_stale_ms(fake: tuple[FakeController, str]) -> None:
+    ctl, endpoint = fake
+    client = connected(endpoint, ctl, stale_ms=60)
+    try:
+        ctl.reply(decision(1, 3))
+        assert wait_poll(client, 3) == 3
+        time.sleep(0.1)
+        assert client.poll_decision() is None  # the hook falls back to SGLang's own policy
+        assert client.depth == 3 and client.decision_age_ms is not None and client.decision_age_ms >= 60
+        ctl.reply(decision(2, 1))
+        assert wait_poll(client, 1) == 1  # and comes back as soon as decisions flow again
+    finally:
+        client.close()
+
+
+def test_unknown_instance_makes_the_client_say_hello_again(fake: tuple[FakeController, str]) -> None:
+    ctl, endpoint = fake
+    client = connected(endpoint, ctl)
+    try:
+        client.send_step(make_step(1))
+        assert ctl.recv()["t"] == "step"
+        ctl.reply({"t": "error", "v": 1, "code": "unknown_instance", "msg": "who?"})
+        wait_poll(client, -1, 0.1)
+        assert ctl.recv() == Hello("r1", DEPTHS).to_wire()
+        assert client.errors == {"unknown_instance": 1} and client.counters["hellos"] == 2
+        ctl.reply({"t": "error", "v": 1, "code": "bad_accept", "msg": ""})
+        wait_poll(client, -1, 0.1)
+        assert client.errors == {"unknown_instance": 1, "bad_accept": 1}
+        assert not ctl.sock.poll(50)  # other errors do not trigger a hello
+    finally:
+        client.close()
+
+
+def test_silence_for_stale_ms_while_sending_triggers_a_hello(fake: tuple[FakeController, str]) -> None:
+    ctl, endpoint = fake
+    client = connected(endpoint, ctl, stale_ms=50)
+    try:
+        got = []
+        deadline = time.monotonic() + 0.5
+        seq = 1
+        while time.monotonic() < deadline:
+            client.send_step(make_step(seq))
+            seq += 1
+            time.sleep(0.005)
+            while ctl.sock.poll(0):
+                got.append(ctl.recv()["t"])
+        hellos = got.count("hello")
+        assert 3 <= hellos <= 11, got  # about one per stale_ms, not one per step
+    finally:
+        client.close()
+
+
+def test_send_never_blocks_without_a_controller(tmp_path: Path) -> None:
+    client = ControllerClient(f"ipc://{tmp_path}/nobody.sock", Hello("r1", DEPTHS))
+    try:
+        t0 = time.perf_counter()
+        for seq in range(5000):
+            client.send_step(make_step(seq))
+            assert client.poll_decision() is None
+        assert time.perf_counter() - t0 < 5.0
+        assert client.counters["sent"] == 0 and client.counters["dropped"] == 5000
+    finally:
+        client.close()
+
+
+def test_full_queue_drops_and_counts_instead_of_blocking(fake: tuple[FakeController, str]) -> None:
+    ctl, endpoint = fake
+    client = connected(endpoint, ctl, sndhwm=4)
+    try:
+        ctl.sock.setsockopt(zmq.RCVHWM, 4)
+        before = dict(client.counters)
+        for seq in range(1, 20_001):  # the fake never reads: queues fill up, then drops
+            client.send_step(make_step(seq))
+        sent = client.counters["sent"] - before["sent"]
+        dropped = client.counters["dropped"] - before["dropped"]
+        assert dropped > 0 and sent + dropped == 20_000
+    finally:
+        client.close()
+
+
+def test_malformed_record_is_dropped_not_raised(fake: tuple[FakeController, str]) -> None:
+    ctl, endpoint = fake
+    client = connected(endpoint, ctl)
+    try:
+        dropped = client.counters["dropped"]
+        bad = make_step(1)
+        bad.accept = [object()]  # type: ignore[list-item]
+        client.send_step(bad)
+        huge = make_step(2)
+        huge.bs, huge.accept = 20_000, [2**31] * 20_000  # 100 KB: over 64 KiB on the wire
+        client.send_step(huge)
+        assert client.counters["dropped"] - dropped == 2
+        client.send_step(make_step(3))
+        assert ctl.recv()["seq"] == 3
+    finally:
+        client.close()
+
+
+def test_close_is_idempotent_and_later_calls_are_harmless(fake: tuple[FakeController, str]) -> None:
+    ctl, endpoint = fake
+    client = connected(endpoint, ctl)
+    client.close()
+    client.close()
+    client.send_step(make_step(5))
+    assert client.poll_decision() is None
+
+
+def test_bad_endpoint_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="cannot connect"):
+        ControllerClient("nonsense", Hello("r1", DEPTHS))
+
+
+def test_against_the_real_server_with_a_shared_context() -> None:
+    ctx = zmq.Context()
+    server = Server(ServeConfig(policy="builtin:static:3", bind="inproc://client-test"), context=ctx)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            if server._sock.poll(10):
+                server.drain()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    client = ControllerClient("inproc://client-test", Hello("r1", DEPTHS), context=ctx)
+    try:
+        seq, got = 0, None
+        deadline = time.monotonic() + 5
+        while got != 3 and time.monotonic() < deadline:
+            client.send_step(make_step(seq))
+            seq += 1
+            time.sleep(0.002)
+            got = client.poll_decision()
+        assert got == 3
+        assert client.policy == "static:3" and client.counters["welcomes"] == 1
+        assert client.errors == {}
+    finally:
+        client.close()
+        stop.set()
+        thread.join()
+        server.close()
+        ctx.term()
+
+
+def test_curve_encrypted_connection(tmp_path: Path) -> None:
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    public, secret = zmq.curve_keypair()
+    key_file = tmp_path / "server.key"
+    key_file.write_bytes(secret)
+    endpoint = f"ipc://{tmp_path}/curve.sock"
+    server = Server(
+        ServeConfig(policy="builtin:static:1", bind=endpoint, curve_secret_key_file=str(key_file))
+    )
+    plain = ControllerClient(endpoint, Hello("plain", DEPTHS))
+    secure = ControllerClient(endpoint, Hello("secure", DEPTHS), curve_server_key=public)
+    try:
+        seq = 0
+        deadline = time.monotonic() + 5
+        while secure.poll_decision() != 1 and time.monotonic() < deadline:
+            for c in (plain, secure):
+                c.send_step(make_step(seq, c.instance))
+            seq += 1
+            server.drain()
+            time.sleep(0.005)
+        assert secure.poll_decision() == 1
+        assert plain.poll_decision() is None and "plain" not in server.instances
+    finally:
+        plain.close()
+        secure.close()
+        server.close()
