@@ -50,6 +50,7 @@ from controller.metrics import ServiceStats
 from controller.policy import Policy, PolicyFactory, make_factory
 from controller.protocol import (
     DEFAULT_ENDPOINT,
+    MAX_DEPTH,
     PROTOCOL_VERSION,
     TO_HOOK,
     ProtocolError,
@@ -500,9 +501,19 @@ def load_policy(spec: str) -> PolicyFactory:
         if not path.is_file():
             raise PolicyLoadError(f"policy {spec!r} is not a file")
     try:
-        return make_factory(spec)
+        factory = make_factory(spec)
     except ImportError as exc:  # PPO zip support needs numpy + torch (the serve extra)
         raise PolicyLoadError(f"cannot load {spec!r}: {exc} (install specdepth[serve])") from None
+    if spec.startswith("builtin:"):
+        # Builtins adapt to each hello's depths, so a bad argument (builtin:static:x) would
+        # only show at the first hello: build one now for every depth the protocol allows.
+        try:
+            factory(tuple(range(MAX_DEPTH + 1)))
+        except ControllerError:
+            raise
+        except Exception as exc:
+            raise PolicyLoadError(f"{spec}: cannot be built: {type(exc).__name__}: {exc}") from None
+    return factory
 
 
 def _check_record_dir(folder: Path) -> None:
