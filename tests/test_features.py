@@ -1,0 +1,264 @@
+"""The Featurizer: fixed size, determinism, bounded state, and known values of its estimates."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from controller.features import (
+    ACCEPT_DECAY,
+    FEATURIZER_VERSION,
+    PRIOR_ACCEPT,
+    PRIOR_WEIGHT,
+    Featurizer,
+    bs_bucket,
+)
+from controller.protocol import Step
+
+DEPTHS = (0, 1, 2, 3, 5)
+
+
+def step(seq: int, depth: int, accept: list[int], bs: int | None = None, **kw: int | float) -> Step:
+    bs = len(accept) if bs is None else bs
+    fields: dict[str, int | float] = dict(waiting=0, step_us=10_000, ctx_tokens=1000 * bs, kv_usage=0.25)
+    fields.update(kw)
+    return Step(
+        "i",
+        seq,
+        depth,
+        bs,
+        int(fields["waiting"]),
+        accept,
+        int(fields["step_us"]),
+        int(fields["ctx_tokens"]),
+        float(fields["kv_usage"]),
+        0,
+        seq * 1000,
+    )
+
+
+def random_stream(n: int, seed: int = 0, depths: tuple[int, ...] = DEPTHS) -> list[Step]:
+    rng = random.Random(seed)
+    out = []
+    for seq in range(n):
+        d = rng.choice(depths)
+        bs = rng.randint(1, 300)
+        accept = [min(d, int(rng.expovariate(0.5))) for _ in range(bs)] if d else []
+        out.append(
+            step(
+                seq,
+                d,
+                accept,
+                bs=bs,
+                waiting=rng.randint(0, 50),
+                step_us=rng.randint(0, 90_000),
+                ctx_tokens=rng.randint(0, 10**7),
+                kv_usage=rng.random(),
+            )
+        )
+    return out
+
+
+def names(f: Featurizer) -> dict[str, int]:
+    return {n: i for i, n in enumerate(f.feature_names)}
+
+
+def test_fixed_size_dtype_and_finite() -> None:
+    f = Featurizer(DEPTHS)
+    assert f.version == FEATURIZER_VERSION
+    assert len(f.feature_names) == f.obs_dim == len(set(f.feature_names))
+    assert f.obs_dim == 10 + 2 * len(DEPTHS) + max(DEPTHS) + 3 * len(DEPTHS)
+    for s in random_stream(2000):
+        obs = f.update(s)
+        assert obs.shape == (f.obs_dim,) and obs.dtype == np.float32
+        assert np.isfinite(obs).all()
+
+
+def test_extreme_but_valid_records_stay_finite() -> None:
+    f = Featurizer((0, 32))
+    for seq, (d, bs) in enumerate([(0, 1), (32, 65536), (0, 65536), (32, 1)]):
+        accept = [32] * bs if d else []
+        obs = f.update(
+            step(seq, d, accept, bs=bs, waiting=2**40, step_us=3_600_000_000, ctx_tokens=2**40, kv_usage=1.0)
+        )
+        assert np.isfinite(obs).all()
+        obs = f.update(step(seq, d, [0] * bs if d else [], bs=bs, step_us=0, ctx_tokens=0, kv_usage=0.0))
+        assert np.isfinite(obs).all()
+
+
+def test_deterministic_and_reset_replays_bit_for_bit() -> None:
+    stream = random_stream(500, seed=3)
+    a, b = Featurizer(DEPTHS), Featurizer(DEPTHS)
+    first = [a.update(s).tobytes() for s in stream]
+    assert first == [b.update(s).tobytes() for s in stream]
+    a.reset()
+    assert first == [a.update(s).tobytes() for s in stream]
+
+
+def test_returned_observations_are_independent_copies() -> None:
+    f = Featurizer(DEPTHS)
+    o1 = f.update(step(0, 2, [1, 2]))
+    keep = o1.copy()
+    o1[:] = 99.0  # a caller scribbling on its array must not leak into the next one
+    f.update(step(1, 2, [1, 2]))
+    o2 = f.update(step(2, 2, [1, 2]))
+    assert not np.array_equal(o2, o1) and np.isfinite(o2).all() and keep[0] != 99.0
+
+
+def test_state_does_not_grow_with_history() -> None:
+    f = Featurizer(DEPTHS)
+    stream = random_stream(10_100, seed=5)
+    for s in stream[:100]:
+        f.update(s)
+    state = {k: v for k, v in vars(f).items() if k != "_last"}
+    size_100 = len(pickle.dumps(state))
+    for s in stream[100:]:
+        f.update(s)
+    state = {k: v for k, v in vars(f).items() if k != "_last"}
+    assert len(pickle.dumps(state)) <= size_100 + 64
+
+
+def test_simple_features_known_values() -> None:
+    f = Featurizer(DEPTHS)
+    idx = names(f)
+    obs = f.update(step(0, 3, [0, 1, 2, 3], waiting=12, ctx_tokens=4 * 2047, kv_usage=0.75, step_us=4000))
+    assert obs[idx["bs"]] == pytest.approx(math.log1p(4) / math.log1p(256), rel=1e-6)
+    assert obs[idx["waiting"]] == pytest.approx(math.log1p(12) / math.log1p(256), rel=1e-6)
+    assert obs[idx["queue_frac"]] == pytest.approx(12 / 16)
+    assert obs[idx["ctx_per_req"]] == pytest.approx(math.log1p(2047) / math.log1p(32768), rel=1e-6)
+    assert obs[idx["kv_usage"]] == pytest.approx(0.75)
+    assert obs[idx["step_ms"]] == pytest.approx(math.log1p(4.0) / math.log1p(1000), rel=1e-6)
+    assert [obs[idx[f"depth={d}"]] for d in DEPTHS] == [0, 0, 0, 1, 0]
+    assert obs[idx["spec_staleness"]] == 0.0
+    assert obs[idx["bs_trend"]] == 0.0  # fast and slow EMAs start equal
+
+
+def test_acceptance_per_position_one_batch_known_values() -> None:
+    # One step at depth 3, bs 4, accepted drafts [0, 1, 2, 3]:
+    #   position 1 reached by 4 requests, accepted by 3 (a >= 1)
+    #   position 2 reached by 3 (a >= 1),  accepted by 2 (a >= 2)
+    #   position 3 reached by 2 (a >= 2),  accepted by 1 (a >= 3)
+    f = Featurizer(DEPTHS)
+    idx = names(f)
+    obs = f.update(step(0, 3, [0, 1, 2, 3]))
+    prior = PRIOR_ACCEPT * PRIOR_WEIGHT
+    want = [
+        (3 + prior) / (4 + PRIOR_WEIGHT),
+        (2 + prior) / (3 + PRIOR_WEIGHT),
+        (1 + prior) / (2 + PRIOR_WEIGHT),
+    ]
+    for i, p in enumerate(want, start=1):
+        assert f.accept_prob(i) == pytest.approx(p)
+        assert obs[idx[f"p_accept_{i}"]] == pytest.approx(p, rel=1e-6)
+    # Positions never reached keep the prior.
+    assert obs[idx["p_accept_4"]] == pytest.approx(PRIOR_ACCEPT) and f.accept_prob(5) == pytest.approx(
+        PRIOR_ACCEPT
+    )
+    # Expected tokens per request at depth k: 1 + sum_i prod_{j<=i} p_j, reported / (k + 1).
+    p1, p2, p3 = want
+    tokens_3 = 1 + p1 + p1 * p2 + p1 * p2 * p3
+    assert f.expected_tokens(3) == pytest.approx(tokens_3)
+    assert obs[idx["tokens_3"]] == pytest.approx(tokens_3 / 4, rel=1e-6)
+    assert obs[idx["tokens_0"]] == pytest.approx(1.0)
+    tokens_5 = tokens_3 + p1 * p2 * p3 * PRIOR_ACCEPT + p1 * p2 * p3 * PRIOR_ACCEPT**2
+    assert obs[idx["tokens_5"]] == pytest.approx(tokens_5 / 6, rel=1e-6)
+
+
+def test_acceptance_decays_per_speculative_step_only() -> None:
+    f = Featurizer(DEPTHS)
+    f.update(step(0, 1, [1, 1]))  # position 1: 2 of 2
+    f.update(step(1, 0, [], bs=7))  # depth 0 brings no acceptance evidence: no decay
+    f.update(step(2, 1, [0, 0]))  # position 1: 0 of 2, older batch decayed once
+    acc, tried = 2 * ACCEPT_DECAY + 0, 2 * ACCEPT_DECAY + 2
+    want = (acc + PRIOR_ACCEPT * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+    assert f.accept_prob(1) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("true_p", [0.3, 0.8])
+def test_acceptance_converges_to_the_true_conditional_rate(true_p: float) -> None:
+    # Each draft position accepted with probability true_p given the earlier ones were: the
+    # estimate of every position must find true_p, whatever depth the steps ran with.
+    rng = random.Random(11)
+    f = Featurizer(DEPTHS)
+    for seq in range(400):
+        d = rng.choice((1, 2, 3, 5))
+        accept = []
+        for _ in range(128):
+            a = 0
+            while a < d and rng.random() < true_p:
+                a += 1
+            accept.append(a)
+        f.update(step(seq, d, accept))
+    for i in (1, 2, 3):
+        assert f.accept_prob(i) == pytest.approx(true_p, abs=0.06), i
+    want = sum(true_p**i for i in range(4))
+    assert f.expected_tokens(3) == pytest.approx(want, rel=0.08)
+
+
+def test_latency_ratio_known_values_and_fallback() -> None:
+    f = Featurizer(DEPTHS)
+    idx = names(f)
+    assert f.latency_ratio(2, 8) is None
+    f.update(step(0, 0, [], bs=8, step_us=10_000))
+    obs = f.update(step(1, 2, [1] * 8, step_us=15_000))
+    assert bs_bucket(8) == 3
+    assert f.latency_ratio(2, 8) == pytest.approx(1.5)
+    assert obs[idx["lat_ratio_2"]] == pytest.approx(math.log(1.5), rel=1e-6)
+    assert obs[idx["lat_ratio_0"]] == 0.0 and obs[idx["lat_ratio_3"]] == 0.0  # 3 never seen
+    tokens_2 = f.expected_tokens(2)
+    assert obs[idx["goodput_2"]] == pytest.approx(math.log(tokens_2 / 1.0 / 1.5), rel=1e-5)
+    # Another batch-size bucket with no measurement falls back to the running ratio.
+    assert f.latency_ratio(2, 100) == pytest.approx(1.5)
+    # The per-bucket table follows drift with an EMA.
+    f.update(step(2, 2, [1] * 8, step_us=25_000))
+    assert f.latency_us(2, 8) == pytest.approx(15_000 + 0.2 * (25_000 - 15_000))
+
+
+def test_ratios_are_clipped() -> None:
+    f = Featurizer(DEPTHS)
+    idx = names(f)
+    f.update(step(0, 0, [], bs=2, step_us=1_000))
+    obs = f.update(step(1, 5, [5, 5], step_us=1_000_000))
+    assert obs[idx["lat_ratio_5"]] == 2.0 and obs[idx["goodput_5"]] == -2.0
+
+
+def test_staleness_features() -> None:
+    f = Featurizer(DEPTHS)
+    idx = names(f)
+    f.update(step(0, 2, [1]))
+    for seq in range(1, 51):
+        obs = f.update(step(seq, 0, [], bs=1))
+    assert obs[idx["spec_staleness"]] == pytest.approx(1 - math.exp(-1), rel=1e-5)  # 50 steps
+    assert obs[idx["lat_stale_0"]] == 0.0
+    assert obs[idx["lat_stale_2"]] == pytest.approx(1 - math.exp(-50 / 200), rel=1e-5)
+    assert obs[idx["lat_stale_3"]] == pytest.approx(1.0)  # never seen
+
+
+def test_trends_follow_changes() -> None:
+    f = Featurizer(DEPTHS)
+    idx = names(f)
+    for seq in range(200):
+        obs = f.update(step(seq, 2, [2] * 4))
+    assert abs(obs[idx["bs_trend"]]) < 1e-3 and abs(obs[idx["accept_trend"]]) < 0.01
+    for seq in range(200, 205):
+        obs = f.update(step(seq, 2, [0] * 64))
+    assert obs[idx["bs_trend"]] > 0.1  # batch growing
+    assert obs[idx["accept_trend"]] < -0.3  # acceptance collapsing
+
+
+@pytest.mark.parametrize("depths", [(0,), (3,), (1, 2), tuple(range(16))])
+def test_any_allowed_depth_set(depths: tuple[int, ...]) -> None:
+    f = Featurizer(depths)
+    for s in random_stream(200, seed=9, depths=depths):
+        obs = f.update(s)
+        assert obs.shape == (f.obs_dim,) and np.isfinite(obs).all()
+
+
+@pytest.mark.parametrize("depths", [(), (1, 0), (0, 0), (-1, 2)])
+def test_bad_depths_refused(depths: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError):
+        Featurizer(depths)
