@@ -25,8 +25,11 @@ request receives more than its output length; reserved and used KV never exceed 
 the same seed gives the same records. Nothing in a record depends on a request's true output
 length or acceptance except through what happened (as on the live hook).
 
-Per-request state lives in one float64 matrix (exact for integers below 2**53) so that a
-whole step is a handful of vectorized numpy operations.
+Speed: per-request state is a few contiguous arrays (hot: remaining tokens, logit offset,
+stale penalty) plus one cold float64 matrix (exact for integers below 2**53) touched only on
+admission and completion; acceptance is sampled by comparing pre-drawn logistic noise minus
+the position logits (drawn in blocks) with each request's offset, so a speculative step is
+about ten vectorized numpy operations whatever the batch size.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ from env.latency import step_time_us
 from env.params import SimParams
 from env.workload import Arrivals, WorkloadSpec, parse_workload
 
-# Columns of the per-request state matrix.
-CTX, GEN, OUT, U, PEN, ZS, TARR, TFIRST, RID, PROMPT = range(10)
-N_COLS = 10
+# Columns of the cold per-request state matrix (touched on admission and completion only).
+U, TARR, TFIRST, RID, PROMPT, OUT = range(6)
+N_COLS = 6
 _BLOCK = 4096
+_ACC_ROWS = 32768  # rows of pre-drawn logistic noise per refill (one row per request-step)
 
 
 class SimulationDone(ConfigError):
@@ -113,7 +117,25 @@ class Engine:
         self._drift_noise = self._rng_drift.standard_normal(_BLOCK)
         self._drift_i = 0
         self._base = p.acceptance.base_logits(64)
-        self.S = np.zeros((self._cap, N_COLS), dtype=np.float64)
+        self._acc_k = 8
+        self._acc_noise = self._draw_acc_noise()
+        self._acc_i = 0
+        cap = self._cap
+        self.S = np.zeros((cap, N_COLS), dtype=np.float64)
+        self.rem = np.zeros(cap, dtype=np.int64)  # output tokens still to emit (>= 1 while running)
+        self.xoff = np.zeros(cap, dtype=np.float64)  # u + shift - stale penalty (logits)
+        self.pen = np.zeros(cap, dtype=np.float64)  # stale-drafter penalty (logits)
+        self.zs = np.zeros(cap, dtype=np.int64)  # consecutive steps without drafting
+        ap = p.acceptance
+        if ap.stale_logit > 0.0:
+            k = np.arange(int(20 * ap.stale_tau_steps) + 2, dtype=np.float64)
+            self._stale_table: np.ndarray | None = ap.stale_logit * (1.0 - np.exp(-k / ap.stale_tau_steps))
+        else:
+            self._stale_table = None
+        self._pen_active = False
+        self._pen_decay = math.exp(-1.0 / p.acceptance.stale_recover_steps)
+        self._min_rem = 0  # lower bound of rem over the batch, so most steps skip the end check
+        self.ctx_sum = 0  # Σ sequence lengths of the running requests
         self.n = 0
         self.waiting: deque[tuple[int, int, int, float, int]] = deque()
         self.now_us = 0
@@ -126,7 +148,7 @@ class Engine:
         self.prefill_pending = 0
         self.next_rid = 0
         self.last_model_us = 0.0
-        self.last_base_us = 0.0
+        self._last_args = (1, 0, 0, 0)
         self.last_busy_us = 0
         self.rejected = 0
         self._pull_arrivals()
@@ -175,23 +197,30 @@ class Engine:
                 u = ap.zero_logit
             else:
                 u = ap.sigma * self._rng_acc.standard_normal()
-            row = S[self.n]
-            row[CTX] = prompt
-            row[GEN] = 0
-            row[OUT] = out
-            row[U] = u + shift
-            row[PEN] = 0.0
-            row[ZS] = 0.0
-            row[TARR] = t_us
-            row[TFIRST] = -1.0
-            row[RID] = rid
-            row[PROMPT] = prompt
+            i = self.n
+            S[i] = (u + shift, t_us, -1.0, rid, prompt, out)
+            self.rem[i] = out
+            self.xoff[i] = u + shift
+            self.pen[i] = 0.0
+            self.zs[i] = 0
+            if i == 0 or out < self._min_rem:
+                self._min_rem = out
+            self.ctx_sum += prompt
             self.n += 1
             self.kv_reserved += need
             prefilled += prompt
         return prefilled
 
     # ------------------------------------------------------------------ stepping
+
+    def _draw_acc_noise(self) -> np.ndarray:
+        # Logistic noise minus the position logits: position i of a request with offset x is
+        # accepted iff noise_i - base_i < x, i.e. with probability sigmoid(base_i + x). The
+        # running max along positions turns "positions 1..i all accepted" into one compare,
+        # so the accepted count is the number of columns below x.
+        k = self._acc_k
+        z = self._rng_acc.logistic(size=(_ACC_ROWS, k)) - self._base[:k]
+        return np.maximum.accumulate(z, axis=1)
 
     def step(self, depth: int) -> Step:
         """Advance to the next decode step, run it at ``depth``, return its record.
@@ -201,71 +230,93 @@ class Engine:
         """
         if depth < 0:
             raise ConfigError(f"depth must be >= 0, got {depth}")
-        self._pull_arrivals()
-        prefill = self._admit()
+        n_before = self.n
+        if self.waiting or (self.arrivals.peek() is not None and self.arrivals.peek() <= self.now_us):
+            self._pull_arrivals()
+            prefill = self._admit()
+        else:
+            prefill = 0
         while self.n == 0:
             t_next = self.arrivals.peek()
             if t_next is None:
-                if self.waiting:
-                    prefill += self._admit()
-                    if self.n:
-                        break
                 raise SimulationDone("the workload has no request left; check Engine.done before step()")
             self.now_us = max(self.now_us, t_next)
             self._pull_arrivals()
             prefill += self._admit()
         self.prefill_pending += prefill
         n = self.n
-        S = self.S
-        A = S[:n]
         lp = self.params.latency
-        ap = self.params.acceptance
-        ctx_sum = float(A[:, CTX].sum())
+        ctx_sum = self.ctx_sum
         pf = self.prefill_pending
         model_us = step_time_us(lp, n, depth, ctx_sum, pf)
-        base_us = model_us if depth == 0 else step_time_us(lp, n, 0, ctx_sum, pf)
+        self._last_args = (n, depth, ctx_sum, pf)
         if self._lat_i >= _BLOCK:
             self._lat_noise = self._rng_lat.standard_normal(_BLOCK) * lp.jitter
             self._lat_i = 0
         busy = max(1, int(model_us * math.exp(self._lat_noise[self._lat_i])))
         self._lat_i += 1
 
-        rem = A[:, OUT] - A[:, GEN]
+        rem = self.rem[:n]
         if depth > 0:
-            logits = self._base[:depth] + (A[:, U] + (self.drift - A[:, PEN]))[:, None]
-            ok = self._rng_acc.random((n, depth)) * (1.0 + np.exp(-logits)) < 1.0
-            acc = ok.cumprod(axis=1).sum(axis=1)
-            emitted = np.minimum(acc + 1.0, rem)
-            # The stale penalty fades while drafting; the zero-step run resets.
-            A[:, PEN] *= math.exp(-1.0 / ap.stale_recover_steps)
-            A[:, ZS] = 0.0
+            if depth > self._acc_k:
+                self._acc_k = max(depth, 2 * self._acc_k)
+                self._acc_noise = self._draw_acc_noise()
+                self._acc_i = 0
+            i0 = self._acc_i
+            if i0 + n > _ACC_ROWS:
+                self._acc_noise = self._draw_acc_noise()
+                i0 = 0
+            self._acc_i = i0 + n
+            x = self.xoff[:n] + self.drift
+            acc = (self._acc_noise[i0 : i0 + n, :depth] < x[:, None]).sum(axis=1)
+            if self._min_rem <= depth + 1:  # someone may be within one step of its end
+                np.minimum(acc, rem - 1, out=acc)
+            rem -= acc
+            rem -= 1
+            tokens = n + int(acc.sum())
+            accept = acc.tolist()
+            if self._pen_active:
+                # The stale penalty fades while drafting; the zero-step run resets.
+                pen = self.pen[:n]
+                pen *= self._pen_decay
+                self.xoff[:n] += pen * (1.0 / self._pen_decay - 1.0)
+                self.zs[:n] = 0
+                if pen.max() < 1e-3:
+                    self.xoff[:n] += pen
+                    pen[:] = 0.0
+                    self._pen_active = False
         else:
-            emitted = np.minimum(1.0, rem)
-            zs = A[:, ZS]
-            zs += 1.0
-            np.maximum(A[:, PEN], ap.stale_logit * (1.0 - np.exp(-zs / ap.stale_tau_steps)), out=A[:, PEN])
-        A[:, GEN] += emitted
-        A[:, CTX] += emitted
-        tokens = int(emitted.sum())
+            tokens = n
+            accept = []
+            rem -= 1
+            if self._stale_table is not None:
+                zs = self.zs[:n]
+                zs += 1
+                np.minimum(zs, len(self._stale_table) - 1, out=zs)
+                pen = self.pen[:n]
+                new_pen = np.maximum(pen, self._stale_table[zs])
+                self.xoff[:n] -= new_pen - pen
+                pen[:] = new_pen
+                self._pen_active = True
+        self.ctx_sum += tokens
         self.tokens_emitted += tokens
 
         self.now_us += busy
         now = self.now_us
-        first = A[:, TFIRST] < 0.0
-        if first.any():
-            A[first, TFIRST] = now
+        if n > n_before:
+            self.S[n_before:n, TFIRST] = now
         step_us = now - self.last_record_us
         self.last_record_us = now
         self._advance_drift(busy)
 
-        accept = (emitted - 1.0).astype(np.int64).tolist() if depth > 0 else []
-        kv_used = float(A[:, CTX].sum())
-        finished = A[:, GEN] >= A[:, OUT]
-        if finished.any():
-            self._finish(finished, now)
-        self._pull_arrivals()
+        kv_used = self.ctx_sum
+        self._min_rem -= depth + 1
+        if self._min_rem <= 0:
+            finished = rem <= 0
+            if finished.any():
+                self._finish(finished, now)
+            self._min_rem = int(self.rem[: self.n].min()) if self.n else 0
         self.last_model_us = model_us
-        self.last_base_us = base_us
         self.last_busy_us = busy
         self.prefill_pending = 0
         rec = Step(
@@ -284,25 +335,38 @@ class Engine:
         self.seq += 1
         return rec
 
+    @property
+    def last_base_us(self) -> float:
+        """The latency model's time of the last step's batch at depth 0 (no jitter), µs."""
+        n, depth, ctx_sum, pf = self._last_args
+        if depth == 0:
+            return self.last_model_us
+        return step_time_us(self.params.latency, n, 0, ctx_sum, pf)
+
     def _finish(self, finished: np.ndarray, now: int) -> None:
         n = self.n
         A = self.S[:n]
-        for row in A[finished]:
+        for _, t_arr, t_first, rid, prompt_f, out_f in A[finished].tolist():
+            out = int(out_f)
+            prompt = int(prompt_f)
             self.completed.append(
                 RequestStats(
-                    rid=int(row[RID]),
-                    arrival_us=int(row[TARR]),
-                    first_token_us=int(row[TFIRST]),
+                    rid=int(rid),
+                    arrival_us=int(t_arr),
+                    first_token_us=int(t_first),
                     finish_us=now,
-                    prompt_tokens=int(row[PROMPT]),
-                    output_tokens=int(row[GEN]),
+                    prompt_tokens=prompt,
+                    output_tokens=out,
                 )
             )
-            self.kv_reserved -= int(row[PROMPT] + row[OUT])
+            self.kv_reserved -= prompt + out
+            self.ctx_sum -= prompt + out
             self.arrivals.on_complete(now)
         keep = ~finished
         k = int(keep.sum())
         self.S[:k] = A[keep]
+        for arr in (self.rem, self.xoff, self.pen, self.zs):
+            arr[:k] = arr[:n][keep]
         self.n = k
 
     def _advance_drift(self, dt_us: int) -> None:
@@ -326,11 +390,10 @@ class Engine:
         n = self.n
         if n == 0:
             return 0.0
-        A = self.S[:n]
-        rem = A[:, OUT] - A[:, GEN]
+        rem = self.rem[:n].astype(np.float64)
         if depth == 0:
             return float(np.minimum(1.0, rem).sum())
-        logits = self._base[:depth] + (A[:, U] + (self.drift - A[:, PEN]))[:, None]
+        logits = self._base[:depth] + (self.xoff[:n] + self.drift)[:, None]
         reach = np.cumprod(1.0 / (1.0 + np.exp(-logits)), axis=1)  # P(accept >= j), j = 1..depth
         j = np.arange(1, depth + 1)
         reach = np.where(j[None, :] <= (rem - 1.0)[:, None], reach, 0.0)
@@ -341,17 +404,24 @@ class Engine:
         the true per-request acceptance and the latency model (for the clairvoyant oracle)."""
         if self.n == 0:
             return 0.0
-        ctx_sum = float(self.S[: self.n, CTX].sum())
-        t_us = step_time_us(self.params.latency, self.n, depth, ctx_sum, self.prefill_pending)
+        t_us = step_time_us(self.params.latency, self.n, depth, self.ctx_sum, self.prefill_pending)
         return self.expected_tokens(depth) / t_us * 1e6
 
     # ------------------------------------------------------------------ introspection
 
     @property
     def kv_used(self) -> int:
-        """KV tokens held by the running requests."""
-        return int(self.S[: self.n, CTX].sum())
+        """KV tokens held by the running requests (Σ prompt + emitted)."""
+        return self.ctx_sum
 
-    def running_state(self) -> np.ndarray:
-        """A copy of the running requests' state matrix (columns: CTX, GEN, OUT, ...)."""
-        return self.S[: self.n].copy()
+    def running_state(self) -> dict[str, np.ndarray]:
+        """Copies of the running requests' state: prompt, output (target), emitted, remaining."""
+        n = self.n
+        out = self.S[:n, OUT].astype(np.int64)
+        rem = self.rem[:n].copy()
+        return {
+            "prompt": self.S[:n, PROMPT].astype(np.int64),
+            "output": out,
+            "emitted": out - rem,
+            "remaining": rem,
+        }

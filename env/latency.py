@@ -5,13 +5,15 @@ One forward pass of the target over ``B`` sequences with ``q`` new tokens each a
 
     target(B, q, C) = t_fix + gemm(N) + tok·N + attn(q, C)          N = B·q new tokens
     gemm(N)         = (w^p + (f·N)^p)^(1/p)   weights read once per pass  vs  compute per token
-    attn(B, q, C)   = a0 + sq·B + kv·C + [q > 1]·(aq + sqq·B + kvq·C + kvs·(q − 2)·C)
+    attn(B, q, C)   = a0 + sq·B + kv·C + [q > 1]·min(aq + sqq·B + kvq·C + kvs·(q − 2)·C,  fq + fqkv·C)
 
 ``w`` is the time to stream the weights (memory-bound floor), ``f`` the compute per token
 (roofline slope), ``p`` how sharply one regime hands over to the other, ``tok`` the
 unfused per-token work (norms, RoPE, SwiGLU), ``kv`` the KV read per cached token, ``sq`` the
 per-sequence cost of the attention kernel (work split per sequence), and the
-``[q > 1]`` terms the verify-attention kernel (a different kernel from plain decode). The draft
+``[q > 1]`` terms the verify: the faster of a split-KV kernel (``aq``, ``sqq``, ``kvq``, ``kvs``)
+and the decode kernel re-reading the KV per query row (``fq``, ``fqkv``), as the profiled
+target chose per shape. The draft
 head is the same shape with its own coefficients::
 
     draft(B, q, C) = d_fix + [fc]·d_fc + d_tok·N + d_kv·C
@@ -41,6 +43,8 @@ import numpy as np
 
 from controller.errors import FitError
 
+TARGET_LOSS = "linear"
+SIZE_WEIGHT_EXP = 0.0
 ATTN_WEIGHT = 1.0  # attention-only rows pin the KV-read slope that long-context extrapolation rides on
 PROFILE_COLUMNS = ("component", "batch", "q", "ctx", "median_ms")
 KNOWN_COMPONENTS = (
@@ -73,6 +77,8 @@ class LatencyParams:
     sqq_us_per_seq: float = 5.0
     kvq_us_per_ctx_tok: float = 0.015
     kvs_us_per_ctx_tok: float = 0.0005
+    fq_us: float = 200.0
+    fq_kv_us_per_ctx_tok: float = 0.2
     d_fix_us: float = 270.0
     d_fc_us: float = 25.0
     d_tok_us_per_tok: float = 2.2
@@ -116,9 +122,20 @@ def gemm_us(lp: LatencyParams, n_tokens: np.ndarray | float) -> np.ndarray | flo
     return (lp.w_us**lp.p + (lp.f_us_per_tok * n_tokens) ** lp.p) ** (1.0 / lp.p)
 
 
-def attn_us(lp: LatencyParams, batch, q, ctx_tokens):
-    """Attention time of a pass (all layers): KV read per cached token, verify kernel for q > 1."""
+def attn_us(lp: LatencyParams, batch, q, ctx_tokens, kernel: str = "best"):
+    """Attention time of a pass (all layers): KV read per cached token, verify kernel for q > 1.
+
+    ``kernel``: ``"split"`` (the split-KV verify kernel), ``"fa2"`` (the decode kernel, which
+    re-reads the KV per query row when q > 1) or ``"best"`` (the faster, as the profiled
+    target and SGLang's backend selection do).
+    """
     multi = np.asarray(q) > 1
+    if kernel == "fa2":
+        base = lp.a0_us + lp.sq_us_per_seq * batch + lp.kv_us_per_ctx_tok * ctx_tokens
+        return base + np.where(multi, lp.fq_us + lp.fq_kv_us_per_ctx_tok * ctx_tokens, 0.0)
+    if kernel == "best":
+        split = attn_us(lp, batch, q, ctx_tokens, "split")
+        return np.minimum(split, attn_us(lp, batch, q, ctx_tokens, "fa2"))
     base = lp.a0_us + lp.sq_us_per_seq * batch + lp.kv_us_per_ctx_tok * ctx_tokens
     extra = (
         lp.aq_us
@@ -181,8 +198,10 @@ def predict_component_ms(lp: LatencyParams, component: str, batch, q, ctx) -> np
         us = target_us(lp, batch, q, c)
     elif component == "target_gemm":
         us = gemm_us(lp, batch * q)
-    elif component in ("target_attn_fa2", "target_attn_split"):
-        us = attn_us(lp, batch, q, c)
+    elif component == "target_attn_fa2":
+        us = attn_us(lp, batch, q, c, "fa2")
+    elif component == "target_attn_split":
+        us = attn_us(lp, batch, q, c, "split")
     elif component == "draft":
         us = draft_us(lp, batch, q, c, True)
     elif component == "draft_nofc":
@@ -206,6 +225,8 @@ _TARGET_NAMES = (
     "sqq_us_per_seq",
     "kvq_us_per_ctx_tok",
     "kvs_us_per_ctx_tok",
+    "fq_us",
+    "fq_kv_us_per_ctx_tok",
 )
 _DRAFT_NAMES = ("d_fix_us", "d_fc_us", "d_tok_us_per_tok", "d_kv_us_per_ctx_tok")
 
@@ -247,12 +268,11 @@ def fit_profile(df, base: LatencyParams | None = None) -> tuple[LatencyParams, d
     if len(tm) < 6:
         raise FitError(f"profile: {len(tm)} 'target' rows; at least 6 are needed to fit the latency model")
     gb, gq, _, gm = _rows(df, "target_gemm")
-    attn = df[df["component"].isin(["target_attn_fa2", "target_attn_split"])]
-    if len(attn):
-        attn = attn.groupby(["batch", "q", "ctx"], as_index=False)["median_ms"].min()
-        ab, aq, ac, am = (attn[c].to_numpy(float) for c in ("batch", "q", "ctx", "median_ms"))
-    else:
-        ab = aq = ac = am = np.zeros(0)
+    # Larger passes weigh more (∝ time^SIZE_WEIGHT_EXP): they are the sustained, bandwidth-
+    # or compute-bound regime that extrapolation to larger batches and contexts continues.
+    tw = (tm / np.median(tm)) ** SIZE_WEIGHT_EXP
+    fb, fq, fc, fm = _rows(df, "target_attn_fa2")
+    sb, sq, sc, sm = _rows(df, "target_attn_split")
 
     x0 = np.array([getattr(base, n) for n in _TARGET_NAMES] + [base.p], dtype=float)
     scale = np.maximum(np.abs(x0), 1e-4)
@@ -263,11 +283,13 @@ def fit_profile(df, base: LatencyParams | None = None) -> tuple[LatencyParams, d
 
     def resid(z: np.ndarray) -> np.ndarray:
         lp = unpack(z)
-        parts = [np.log(predict_component_ms(lp, "target", tb, tq, tc) / tm)]
+        parts = [tw * np.log(predict_component_ms(lp, "target", tb, tq, tc) / tm)]
         if len(gm):
             parts.append(0.5 * np.log(predict_component_ms(lp, "target_gemm", gb, gq, 0.0) / gm))
-        if len(am):
-            parts.append(ATTN_WEIGHT * np.log(predict_component_ms(lp, "target_attn_fa2", ab, aq, ac) / am))
+        if len(fm):
+            parts.append(ATTN_WEIGHT * np.log(predict_component_ms(lp, "target_attn_fa2", fb, fq, fc) / fm))
+        if len(sm):
+            parts.append(ATTN_WEIGHT * np.log(predict_component_ms(lp, "target_attn_split", sb, sq, sc) / sm))
         return np.concatenate(parts)
 
     lo = np.zeros(len(x0))
@@ -281,7 +303,7 @@ def fit_profile(df, base: LatencyParams | None = None) -> tuple[LatencyParams, d
         method="trf",
         x_scale="jac",
         max_nfev=4000,
-        loss="soft_l1",
+        loss=TARGET_LOSS,
         f_scale=0.03,
     )
     if not np.all(np.isfinite(sol.x)):

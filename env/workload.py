@@ -182,23 +182,13 @@ class Arrivals:
         if s.prompt_tokens is not None:
             prompt = s.prompt_tokens
         else:
-            prompt = int(
-                np.clip(
-                    wp.prompt_median_tokens * math.exp(wp.prompt_sigma * self.rng.standard_normal()),
-                    wp.prompt_min_tokens,
-                    wp.prompt_max_tokens,
-                )
-            )
+            prompt = wp.prompt_median_tokens * math.exp(wp.prompt_sigma * self.rng.standard_normal())
+            prompt = int(min(max(prompt, wp.prompt_min_tokens), wp.prompt_max_tokens))
         if s.output_tokens is not None:
             out = s.output_tokens
         else:
-            out = int(
-                np.clip(
-                    wp.output_median_tokens * math.exp(wp.output_sigma * self.rng.standard_normal()),
-                    wp.output_min_tokens,
-                    wp.output_max_tokens,
-                )
-            )
+            out = wp.output_median_tokens * math.exp(wp.output_sigma * self.rng.standard_normal())
+            out = int(min(max(out, wp.output_min_tokens), wp.output_max_tokens))
         return prompt, out
 
     def shift_at(self, t_us: int) -> float:

@@ -1,0 +1,342 @@
+"""``fit_sim``: fit the simulator's components to traces and latency profiles, with a report.
+
+What is fitted from what (every fallback is written into the report's ``notes``):
+
+- **latency**, from profile CSVs (``fit_profile``: the pass-level terms) and from traces
+  (the per-step overheads ``oh_us``, ``oh_spec_us``, ``oh_req_us`` and a common scale of the
+  pass terms, by robust least squares on log ``step_us``). Traces without a profile keep the
+  bundled ``h200-llama8b`` pass shape and fit only its scale and the overheads.
+- **acceptance**, from the ``accept`` lists (maximum likelihood, :func:`fit_acceptance`).
+  Traces without speculative steps keep the published defaults (``reference/acceptance.md``).
+- **workload**, from traces where they say enough: prompt lengths from ``prefill_tokens``,
+  mean output length from tokens emitted per admission; KV budget from ``ctx_tokens`` /
+  ``kv_usage``; the running limit at least the largest batch seen.
+
+Held-out evaluation: 20% of profile rows (fixed seed) and the last 20% of each instance's
+steps are held out of a first fit and scored (step-latency MAPE; total-variation distance
+between the recorded and the fitted accept-length distributions); the parameters returned are
+then refitted on everything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from controller.errors import FitError, TraceError
+from controller.protocol import Step
+from env.acceptance import AcceptanceParams, accept_length_pmf, calibrate_to_conditionals, fit_acceptance
+from env.latency import LatencyParams, fit_profile, profile_mape, read_profile, step_time_us
+from env.params import EngineParams, SimParams
+from env.workload import WorkloadParams
+
+HOLDOUT_FRAC = 0.2
+_SCALED = ("t_fix_us", "w_us", "f_us_per_tok", "tok_us_per_tok", "a0_us", "sq_us_per_seq", "kv_us_per_ctx_tok",
+           "aq_us", "sqq_us_per_seq", "kvq_us_per_ctx_tok", "kvs_us_per_ctx_tok", "d_fix_us", "d_fc_us",
+           "d_tok_us_per_tok", "d_kv_us_per_ctx_tok")  # fmt: skip
+
+
+@dataclass
+class FitReport:
+    """What the fit used and how well it predicts data held out of it."""
+
+    profiles: list[str] = field(default_factory=list)
+    traces: str | None = None
+    n_profile_rows: int = 0
+    n_steps: int = 0
+    profile_mape_fit: dict[str, float] = field(default_factory=dict)
+    profile_mape_holdout: dict[str, float] = field(default_factory=dict)
+    step_mape_holdout: float | None = None
+    step_mape_fit: float | None = None
+    accept_entries: int = 0
+    accept_tv_holdout: float | None = None
+    accept_tv_fit: float | None = None
+    fitted: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def __str__(self) -> str:
+        lines = ["fit report"]
+        if self.profiles:
+            lines.append(f"  profiles: {', '.join(self.profiles)} ({self.n_profile_rows} rows)")
+        if self.traces:
+            lines.append(f"  traces: {self.traces} ({self.n_steps} step records)")
+        if self.profile_mape_holdout:
+            lines.append(f"  {'component':<20}{'MAPE fit %':>12}{'MAPE held-out %':>18}")
+            for comp in sorted(self.profile_mape_fit):
+                ho = self.profile_mape_holdout.get(comp)
+                ho_s = f"{ho:>18.2f}" if ho is not None else f"{'-':>18}"
+                lines.append(f"  {comp:<20}{self.profile_mape_fit[comp]:>12.2f}{ho_s}")
+        if self.step_mape_holdout is not None:
+            lines.append(
+                f"  step latency (traces): MAPE fit {self.step_mape_fit:.2f}%, held-out {self.step_mape_holdout:.2f}%"
+            )
+        if self.accept_tv_holdout is not None:
+            lines.append(
+                f"  acceptance: {self.accept_entries} entries; accept-length TV distance fit "
+                f"{self.accept_tv_fit:.4f}, held-out {self.accept_tv_holdout:.4f}"
+            )
+        if self.fitted:
+            lines.append(f"  fitted: {', '.join(self.fitted)}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def load_steps(traces_dir: str) -> dict[str, list[Step]]:
+    """Step records of a trace folder, by instance; FitError naming the folder if none."""
+    from controller.traces import step_records
+
+    try:
+        recs = step_records(traces_dir)
+    except TraceError as exc:
+        raise FitError(f"traces: {exc}") from None
+    recs = {k: v for k, v in recs.items() if v}
+    if not recs:
+        raise FitError(f"traces {traces_dir!r}: no valid step records in any file")
+    return recs
+
+
+def accept_counts(steps: list[Step]) -> dict[int, np.ndarray]:
+    """depth → histogram of accept values 0..depth over all entries."""
+    out: dict[int, np.ndarray] = {}
+    for s in steps:
+        if s.depth > 0 and s.accept:
+            h = out.setdefault(s.depth, np.zeros(s.depth + 1))
+            h += np.bincount(np.asarray(s.accept, dtype=np.int64), minlength=s.depth + 1)[: s.depth + 1]
+    return out
+
+
+def _tv(ap: AcceptanceParams, counts: dict[int, np.ndarray]) -> float | None:
+    tvs, weights = [], []
+    for d, c in counts.items():
+        if c.sum() > 0:
+            tvs.append(0.5 * float(np.abs(accept_length_pmf(ap, d) - c / c.sum()).sum()))
+            weights.append(float(c.sum()))
+    return float(np.average(tvs, weights=weights)) if tvs else None
+
+
+def _split(recs: dict[str, list[Step]]) -> tuple[list[Step], list[Step]]:
+    fit, hold = [], []
+    for steps in recs.values():
+        k = int(len(steps) * (1.0 - HOLDOUT_FRAC))
+        fit += steps[:k]
+        hold += steps[k:]
+    return fit, hold
+
+
+def _step_arrays(steps: list[Step]) -> tuple[np.ndarray, ...]:
+    # The first record of a file, and records after an idle gap, measure more than one step;
+    # keep steps whose step_us is plausible for a decode (the robust loss handles the rest).
+    bs = np.array([s.bs for s in steps], dtype=float)
+    depth = np.array([s.depth for s in steps], dtype=float)
+    ctx = np.array([s.ctx_tokens for s in steps], dtype=float)
+    pf = np.array([s.prefill_tokens for s in steps], dtype=float)
+    us = np.array([s.step_us for s in steps], dtype=float)
+    keep = (us > 0) & (np.arange(len(steps)) > 0)
+    return bs[keep], depth[keep], ctx[keep], pf[keep], us[keep]
+
+
+def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
+    return np.array([step_time_us(lp, int(b), int(d), c, p) for b, d, c, p in zip(bs, depth, ctx, pf)])
+
+
+def fit_step_latency(lp: LatencyParams, steps: list[Step]) -> LatencyParams:
+    """Fit a common scale of the pass terms and the per-step overheads to traced step times."""
+    from scipy.optimize import least_squares
+
+    bs, depth, ctx, pf, us = _step_arrays(steps)
+    if len(us) < 10:
+        raise FitError(f"traces: only {len(us)} usable step records; need at least 10 to fit step latency")
+    has_spec = bool(np.any(depth > 0))
+
+    def make(z: np.ndarray) -> LatencyParams:
+        scale, oh, oh_spec, oh_req = np.exp(z[0]), z[1] * 1000.0, z[2] * 1000.0, z[3]
+        changes = {n: getattr(lp, n) * scale for n in _SCALED}
+        return replace(
+            lp, **changes, oh_us=oh, oh_spec_us=oh_spec if has_spec else lp.oh_spec_us, oh_req_us=oh_req
+        )
+
+    def resid(z: np.ndarray) -> np.ndarray:
+        return np.log(_predict_steps(make(z), bs, depth, ctx, pf) / us)
+
+    z0 = np.array([0.0, lp.oh_us / 1000.0, lp.oh_spec_us / 1000.0, lp.oh_req_us])
+    # Subsample for speed: a few thousand steps pin four parameters.
+    if len(us) > 4000:
+        idx = np.linspace(0, len(us) - 1, 4000).astype(int)
+        bs, depth, ctx, pf, us = bs[idx], depth[idx], ctx[idx], pf[idx], us[idx]
+    sol = least_squares(
+        resid, z0, bounds=([-3.0, 0.0, 0.0, 0.0], [3.0, 1e4, 1e4, 1e4]), loss="soft_l1", f_scale=0.1
+    )
+    return make(sol.x)
+
+
+def step_mape(lp: LatencyParams, steps: list[Step]) -> float:
+    """MAPE (%) of the latency model's step time against traced ``step_us``."""
+    bs, depth, ctx, pf, us = _step_arrays(steps)
+    if len(us) == 0:
+        return float("nan")
+    pred = _predict_steps(lp, bs, depth, ctx, pf)
+    return float(np.mean(np.abs(pred - us) / us) * 100.0)
+
+
+def _fit_workload(steps: list[Step], base: WorkloadParams, report: FitReport) -> WorkloadParams:
+    pf = np.array([s.prefill_tokens for s in steps if s.prefill_tokens > 0], dtype=float)
+    if len(pf) < 5:
+        report.notes.append(
+            "workload: fewer than 5 records with prefill; length distributions kept from the base"
+        )
+        return base
+    tokens = float(sum(s.tokens for s in steps))
+    prompt_med = float(np.median(pf))
+    out_mean = tokens / len(pf)
+    sigma = float(np.std(np.log(pf))) if len(pf) > 1 else base.prompt_sigma
+    report.fitted.append("workload.prompt (from prefill_tokens), workload.output mean (tokens per admission)")
+    report.notes.append(
+        "workload: a record's prefill_tokens may sum several admissions, so prompt lengths are upper estimates"
+    )
+    # Log-normal with the base's spread: median = mean · exp(−σ²/2).
+    out_med = out_mean * math.exp(-(base.output_sigma**2) / 2.0)
+    return replace(
+        base,
+        prompt_median_tokens=prompt_med,
+        prompt_sigma=max(min(sigma, 2.0), 0.05),
+        output_median_tokens=float(max(out_med, base.output_min_tokens)),
+    )
+
+
+def _fit_engine(steps: list[Step], base: EngineParams, report: FitReport) -> EngineParams:
+    bs_max = max(s.bs for s in steps)
+    ratios = [s.ctx_tokens / s.kv_usage for s in steps if s.kv_usage > 0.02 and s.ctx_tokens > 0]
+    budget = int(np.median(ratios)) if ratios else base.kv_budget_tokens
+    if not ratios:
+        report.notes.append("engine: no record with kv_usage > 2%; KV budget kept from the base")
+    else:
+        report.fitted.append("engine.kv_budget_tokens (ctx_tokens / kv_usage)")
+    instance = steps[0].instance
+    return replace(
+        base,
+        max_running_requests=max(base.max_running_requests, bs_max),
+        kv_budget_tokens=budget,
+        instance=instance,
+    )
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def fit_sim(
+    traces_dir: str | None, profiles: list[str], base: SimParams | None = None
+) -> tuple[SimParams, FitReport]:
+    """Fit a simulator to a trace folder and/or latency-profile CSVs.
+
+    Args:
+        traces_dir: a folder of ``runs/*.msgpack`` traces, or None.
+        profiles: profile CSVs in the format of ``reference/h200_llama8b/latency.csv``.
+        base: parameters for what the data cannot identify (default: the bundled
+            ``h200-llama8b`` deployment when it can be loaded, else the built-in defaults).
+
+    Returns:
+        The fitted :class:`SimParams` and a printable :class:`FitReport`.
+
+    Raises:
+        FitError: no input, or input that cannot be used; the message names the file and
+            the problem (empty folder, corrupt or truncated file, missing columns, too few
+            usable records).
+    """
+    import pandas as pd
+
+    if not traces_dir and not profiles:
+        raise FitError("nothing to fit: give a trace folder and/or at least one profile CSV")
+    if base is None:
+        try:
+            from env.deployments import load_deployment
+
+            base = load_deployment("h200-llama8b")
+        except Exception:  # noqa: BLE001 — the bundled file is optional here; defaults are documented
+            base = SimParams(acceptance=calibrate_to_conditionals([0.73, 0.71, 0.68]))
+    report = FitReport(profiles=list(profiles), traces=traces_dir)
+    lp = base.latency
+
+    if profiles:
+        frames = [read_profile(p) for p in profiles]
+        df = pd.concat(frames, ignore_index=True)
+        report.n_profile_rows = len(df)
+        rng = np.random.default_rng(12345)
+        hold = rng.random(len(df)) < HOLDOUT_FRAC
+        lp_ho, _ = fit_profile(df[~hold], lp)
+        report.profile_mape_holdout = profile_mape(lp_ho, df[hold])
+        lp, report.profile_mape_fit = fit_profile(df, lp)
+        report.fitted.append("latency pass terms (profiles)")
+    else:
+        report.notes.append(
+            "latency: no profile; pass-term shape from the base deployment, scaled to the traces"
+        )
+
+    ap = base.acceptance
+    wp = base.workload
+    ep = base.engine
+    if traces_dir:
+        recs = load_steps(traces_dir)
+        all_steps = [s for steps in recs.values() for s in steps]
+        report.n_steps = len(all_steps)
+        fit_steps, hold_steps = _split(recs)
+        lp_ho = fit_step_latency(lp, fit_steps)
+        report.step_mape_holdout = step_mape(lp_ho, hold_steps)
+        lp = fit_step_latency(lp, all_steps)
+        report.step_mape_fit = step_mape(lp, all_steps)
+        report.fitted.append("latency overheads and scale (traces)")
+
+        counts_fit, counts_hold = accept_counts(fit_steps), accept_counts(hold_steps)
+        counts_all = accept_counts(all_steps)
+        n_entries = int(sum(c.sum() for c in counts_all.values()))
+        report.accept_entries = n_entries
+        if n_entries < 50:
+            report.notes.append(
+                f"acceptance: {n_entries} accept entries at depth > 0 (traces without speculation?); "
+                "kept the published defaults (reference/acceptance.md)"
+            )
+        else:
+            if sum(c.sum() for c in counts_fit.values()) >= 50:
+                ap_ho, _ = fit_acceptance(counts_fit, ap)
+                report.accept_tv_holdout = _tv(ap_ho, counts_hold)
+            ap, _ = fit_acceptance(counts_all, ap)
+            report.accept_tv_fit = _tv(ap, counts_all)
+            report.fitted.append("acceptance alpha, beta, sigma (ML over accept lists)")
+        wp = _fit_workload(all_steps, wp, report)
+        ep = _fit_engine(all_steps, ep, report)
+    params = replace(
+        base, latency=lp, acceptance=ap, workload=wp, engine=ep, name="fitted",
+        notes=f"fitted by controller fit from traces={traces_dir!r}, profiles={list(profiles)!r}",
+    )  # fmt: skip
+    return params, report
+
+
+def predict_profile(params: SimParams, holdout_csv: str):
+    """Predict ``median_ms`` for every row of a profile CSV; returns (DataFrame with
+    ``predicted_ms`` added, MAPE per component)."""
+    from env.latency import KNOWN_COMPONENTS, predict_component_ms
+
+    df = read_profile(holdout_csv)
+    pred = np.full(len(df), np.nan)
+    for comp in set(df["component"]):
+        mask = (df["component"] == comp).to_numpy()
+        if comp in KNOWN_COMPONENTS:
+            sub = df[mask]
+            pred[mask] = predict_component_ms(params.latency, comp, sub["batch"], sub["q"], sub["ctx"])
+    out = df.copy()
+    out["predicted_ms"] = pred
+    mape: dict[str, float] = {}
+    for comp, sub in out.groupby("component"):
+        if sub["predicted_ms"].notna().all():
+            mape[str(comp)] = float(
+                (abs(sub["predicted_ms"] - sub["median_ms"]) / sub["median_ms"]).mean() * 100
+            )
+    return out, mape
