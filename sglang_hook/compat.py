@@ -205,6 +205,16 @@ def resolve_server_args(server_args: Any) -> None:
         resolve_once()
 
 
+def resolved_arg(server_args: Any, name: str) -> Any:
+    """A server argument after SGLang's resolution (0.5.23 keeps resolutions in a view)."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolved_view
+
+        return getattr(resolved_view(server_args), name)
+    except Exception:  # no view in this version, or not resolved yet
+        return getattr(server_args, name, None)
+
+
 @dataclass(frozen=True, slots=True)
 class Ranks:
     """Where this scheduler process sits. Entry rank = ``tp_rank == 0 and pp_rank == 0``."""

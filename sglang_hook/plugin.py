@@ -36,7 +36,7 @@ from sglang_hook.config import HookConfig
 logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
-PROFILE_FLUSH_EVERY = 128
+PROFILE_FLUSH_EVERY = 32
 
 
 class HookRuntime:
@@ -90,6 +90,8 @@ class HookRuntime:
                     list(depths),
                 )
             self.hello_depths = depths
+            if not spec_on:
+                self.sync.fallback_desc = "depth 0 (this server runs without speculation)"
             self.instance = instance_name(self.config, server_args, self.ranks)
             model = str(
                 getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
@@ -202,13 +204,14 @@ class HookRuntime:
             self.flush_profile()
 
     def flush_profile(self) -> None:
-        """Benchmark only: write the per-step hook costs (atomically) to ``$SPECDEPTH_PROFILE_OUT``."""
-        if not self._profile_path:
+        """Benchmark only: append the buffered per-step costs as one JSON line to ``$SPECDEPTH_PROFILE_OUT``."""
+        if not self._profile_path or not self._profile["hook_ns"]:
             return
-        tmp = self._profile_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({**self._profile, "counters": vars_of(self.state.counters)}, f)
-        os.replace(tmp, self._profile_path)
+        line = json.dumps({**self._profile, "counters": vars_of(self.state.counters)})
+        with open(self._profile_path, "a") as f:
+            f.write(line + "\n")
+        for values in self._profile.values():
+            values.clear()
 
 
 def vars_of(obj: Any) -> dict[str, Any]:

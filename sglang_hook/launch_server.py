@@ -1,0 +1,238 @@
+"""``python -m sglang_hook.launch_server``: SGLang's server with the speculation controller wired in.
+
+Usage::
+
+    python -m sglang_hook.launch_server --spec-controller ipc:///tmp/spec-controller.sock \\
+        [--spec-depths 0,1,2,3,5] [--spec-fallback sglang|K] [--spec-stale-ms 200] \\
+        [--spec-instance NAME] <any sglang.launch_server arguments>
+
+What it does, in order:
+
+1. takes its own ``--spec-*`` flags out of the command line (SGLang's parser refuses unknown
+   flags) and validates them;
+2. hands them to SGLang's scheduler processes through environment variables (they are
+   spawned, so only the environment reaches them; the plugin reads it there);
+3. when speculation is on (``--speculative-algorithm``), adds ``--speculative-adaptive`` and a
+   generated ``--speculative-adaptive-config`` whose one entry lists exactly the depths, so
+   SGLang pre-builds one runtime state per depth;
+4. refuses, with one line and exit status 2, what SGLang's adaptive mode cannot do — using
+   SGLang's own ``adaptive_unsupported_reason`` (SGLang itself would only warn and silently
+   run without adaptive mode, i.e. without our actuator) — and what the hook cannot do
+   (attention DP, pipeline parallelism);
+5. starts SGLang's own server in this process.
+
+Without ``--speculative-algorithm`` the server runs as usual and the hook still streams a step
+record (depth 0) per decode step, so traces can be recorded from any SGLang server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.errors import ConfigError
+from sglang_hook.config import (
+    DEFAULT_DEPTHS,
+    DEFAULT_STALE_MS,
+    FALLBACK_SGLANG,
+    HookConfig,
+    parse_depths,
+    parse_fallback,
+    parse_stale_ms,
+)
+
+PROG = "sglang_hook.launch_server"
+PLUGIN_NAME = "spec_controller"
+
+OWN_FLAGS = ("--spec-controller", "--spec-depths", "--spec-fallback", "--spec-stale-ms", "--spec-instance")
+
+
+class Refused(ConfigError):
+    """A configuration the hook or SGLang's adaptive mode cannot serve."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the launcher will do: the hook config and SGLang's final argument list."""
+
+    config: HookConfig
+    sglang_argv: list[str]
+    speculative: bool
+    adaptive_config: dict[str, dict[str, list[int]]] | None
+
+
+def split_argv(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Separate ``--spec-*`` flags (``--flag V`` or ``--flag=V``) from SGLang's arguments."""
+    own: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in OWN_FLAGS:
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"{name} needs a value")
+                value = argv[i + 1]
+                i += 1
+            if name in own:
+                raise ConfigError(f"{name} given twice")
+            own[name] = value
+        elif name.startswith("--spec-") and not name.startswith("--speculative"):
+            raise ConfigError(f"unknown flag {name} (the launcher's own flags are {', '.join(OWN_FLAGS)})")
+        else:
+            rest.append(arg)
+        i += 1
+    return own, rest
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name == flag:
+            if eq:
+                return value
+            return argv[i + 1] if i + 1 < len(argv) else ""
+    return None
+
+
+def _has_flag(argv: Sequence[str], flag: str) -> bool:
+    return any(arg.partition("=")[0] == flag for arg in argv)
+
+
+def plan(argv: Sequence[str], config_path: str) -> Plan:
+    """Validate the command line and build SGLang's arguments (no SGLang import; fast checks).
+
+    Args:
+        argv: the launcher's arguments (without the program name).
+        config_path: where the generated adaptive config will be written.
+
+    Raises:
+        ConfigError: a bad ``--spec-*`` flag.
+        Refused: a configuration the hook cannot serve.
+    """
+    own, rest = split_argv(argv)
+    if "--spec-controller" not in own:
+        raise ConfigError("--spec-controller ENDPOINT is required (e.g. ipc:///tmp/spec-controller.sock)")
+    config = HookConfig(
+        endpoint=own["--spec-controller"],
+        depths=parse_depths(own["--spec-depths"]) if "--spec-depths" in own else DEFAULT_DEPTHS,
+        fallback_depth=parse_fallback(own.get("--spec-fallback", FALLBACK_SGLANG)),
+        stale_ms=parse_stale_ms(own.get("--spec-stale-ms", str(DEFAULT_STALE_MS))),
+        instance=own.get("--spec-instance", ""),
+    )
+    if _has_flag(rest, "--enable-dp-attention"):
+        raise Refused(
+            "--enable-dp-attention is not supported: SGLang's adaptive mode does not synchronise "
+            "depths across attention-DP ranks"
+        )
+    pp = _flag_value(rest, "--pp-size") or _flag_value(rest, "--pipeline-parallel-size")
+    if pp not in (None, "1"):
+        raise Refused("--pp-size > 1 is not supported: the decision rides the tensor-parallel broadcast only")
+
+    algo = _flag_value(rest, "--speculative-algorithm")
+    if algo is None:
+        if _has_flag(rest, "--speculative-adaptive") or _has_flag(rest, "--speculative-adaptive-config"):
+            raise Refused("--speculative-adaptive needs --speculative-algorithm EAGLE or EAGLE3")
+        return Plan(config, rest, speculative=False, adaptive_config=None)
+
+    if algo.upper() not in ("EAGLE", "EAGLE3"):
+        raise Refused(f"--speculative-algorithm {algo}: SGLang's adaptive mode serves only EAGLE and EAGLE3")
+    if _has_flag(rest, "--speculative-adaptive-config"):
+        raise Refused("--speculative-adaptive-config is generated from --spec-depths; do not pass it")
+    topk = _flag_value(rest, "--speculative-eagle-topk")
+    if topk is not None and topk != "1":
+        raise Refused(f"--speculative-eagle-topk {topk}: SGLang's adaptive mode needs topk 1")
+    steps = _flag_value(rest, "--speculative-num-steps")
+    if steps is not None and (not steps.isdigit() or int(steps) not in config.depths):
+        raise Refused(f"--speculative-num-steps {steps} is not one of --spec-depths {list(config.depths)}")
+    if config.fallback_depth is not None and config.fallback_depth not in config.depths:
+        raise Refused(f"--spec-fallback {config.fallback_depth} is not one of --spec-depths")
+
+    extra: list[str] = []
+    if not _has_flag(rest, "--speculative-adaptive"):
+        extra.append("--speculative-adaptive")
+    extra += ["--speculative-adaptive-config", config_path]
+    if topk is None:
+        extra += ["--speculative-eagle-topk", "1"]
+    if steps is None:
+        # SGLang's own default start (the middle candidate), stated explicitly because 0.5.17
+        # would otherwise auto-pick a depth that need not be one of ours.
+        start = config.depths[len(config.depths) // 2]
+        extra += ["--speculative-num-steps", str(start)]
+        if not _has_flag(rest, "--speculative-num-draft-tokens"):
+            extra += ["--speculative-num-draft-tokens", str(start + 1)]
+    # One integer key routes every batch size to the same candidate list.
+    adaptive = {"1": {"candidate_steps": list(config.depths)}}
+    return Plan(config, rest + extra, speculative=True, adaptive_config=adaptive)
+
+
+def _refuse_instead_of_disabling() -> None:
+    """Make SGLang's "adaptive unsupported → warn and disable" path raise :class:`Refused`."""
+    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason
+
+    original = speculative_hook._maybe_disable_adaptive
+
+    def refuse(server_args):  # type: ignore[no-untyped-def]
+        reason = adaptive_unsupported_reason(server_args)
+        if reason is not None:
+            raise Refused(f"SGLang's adaptive speculation cannot run here: {reason}")
+        return original(server_args)
+
+    speculative_hook._maybe_disable_adaptive = refuse
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the launcher; returns the exit status (2 = refused or bad flag)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tmp_dir = tempfile.mkdtemp(prefix="specdepth-")
+    atexit.register(shutil.rmtree, tmp_dir, True)
+    config_path = os.path.join(tmp_dir, "adaptive.json")
+    try:
+        p = plan(argv, config_path)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    if p.adaptive_config is not None:
+        with open(config_path, "w") as f:
+            json.dump(p.adaptive_config, f)
+
+    os.environ.update(p.config.to_env())
+    plugins = os.environ.get("SGLANG_PLUGINS", "")
+    if plugins and PLUGIN_NAME not in {x.strip() for x in plugins.split(",")}:
+        os.environ["SGLANG_PLUGINS"] = f"{plugins},{PLUGIN_NAME}"
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    from sglang_hook import compat
+
+    load_plugins()
+    try:
+        if p.speculative:
+            _refuse_instead_of_disabling()
+        server_args = prepare_server_args(p.sglang_argv)
+        compat.resolve_server_args(server_args)
+        if p.speculative and not compat.resolved_arg(server_args, "speculative_adaptive"):
+            raise Refused("SGLang turned --speculative-adaptive off for this configuration")
+    except (ConfigError, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
