@@ -3,9 +3,10 @@
 What is fitted from what (every fallback is written into the report's ``notes``):
 
 - **latency**, from profile CSVs (``fit_profile``: the pass-level terms) and from traces
-  (the per-step overheads ``oh_us``, ``oh_spec_us``, ``oh_req_us`` and a common scale of the
-  pass terms, by robust least squares on log ``step_us``). Traces without a profile keep the
-  bundled ``h200-llama8b`` pass shape and fit only its scale and the overheads.
+  (the per-step overheads ``oh_us``, ``oh_spec_us``, ``oh_req_us`` and one scale per cost
+  class of pass terms — per pass, per token, per cached token, draft per pass, draft per
+  token, prefill — and the GEMM regime sharpness ``p``, by robust least squares on log ``step_us``). Without a profile the pass shape
+  starts from the bundled ``h200-llama8b`` fit and the traces rescale its cost classes.
 - **acceptance**, from the ``accept`` lists (maximum likelihood, :func:`fit_acceptance`).
   Traces without speculative steps keep the published defaults (``reference/acceptance.md``).
 - **workload**, from traces where they say enough: prompt lengths from ``prefill_tokens``,
@@ -33,9 +34,15 @@ from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
 HOLDOUT_FRAC = 0.2
-_SCALED = ("t_fix_us", "w_us", "f_us_per_tok", "tok_us_per_tok", "a0_us", "sq_us_per_seq", "kv_us_per_ctx_tok",
-           "aq_us", "sqq_us_per_seq", "kvq_us_per_ctx_tok", "kvs_us_per_ctx_tok", "d_fix_us", "d_fc_us",
-           "d_tok_us_per_tok", "d_kv_us_per_ctx_tok")  # fmt: skip
+# Groups of pass terms that traces can scale independently (each a physical cost class).
+_GROUPS = {
+    "fixed": ("t_fix_us", "w_us", "a0_us", "aq_us", "fq_us"),  # per pass: launches, weight reads
+    "per_token": ("f_us_per_tok", "tok_us_per_tok", "sq_us_per_seq", "sqq_us_per_seq"),  # per new token / seq
+    "per_ctx": ("kv_us_per_ctx_tok", "kvq_us_per_ctx_tok", "kvs_us_per_ctx_tok", "fq_kv_us_per_ctx_tok"),
+    "draft_fixed": ("d_fix_us", "d_fc_us"),
+    "draft_per_token": ("d_tok_us_per_tok", "d_kv_us_per_ctx_tok"),
+    "prefill": ("pf_scale", "pf_attn_us_per_tok"),
+}
 
 
 @dataclass
@@ -149,7 +156,7 @@ def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
 
 
 def fit_step_latency(lp: LatencyParams, steps: list[Step]) -> LatencyParams:
-    """Fit a common scale of the pass terms and the per-step overheads to traced step times."""
+    """Fit one scale per cost class of pass terms and the per-step overheads to traced step times."""
     from scipy.optimize import least_squares
 
     bs, depth, ctx, pf, us = _step_arrays(steps)
@@ -157,24 +164,30 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step]) -> LatencyParams:
         raise FitError(f"traces: only {len(us)} usable step records; need at least 10 to fit step latency")
     has_spec = bool(np.any(depth > 0))
 
+    groups = list(_GROUPS.items())
+    ng = len(groups)
+
     def make(z: np.ndarray) -> LatencyParams:
-        scale, oh, oh_spec, oh_req = np.exp(z[0]), z[1] * 1000.0, z[2] * 1000.0, z[3]
-        changes = {n: getattr(lp, n) * scale for n in _SCALED}
+        changes: dict[str, float] = {}
+        for (_, names), lz in zip(groups, z[:ng]):
+            for n in names:
+                changes[n] = getattr(lp, n) * float(np.exp(lz))
+        oh, oh_spec, oh_req, p = z[ng] * 1000.0, z[ng + 1] * 1000.0, z[ng + 2], z[ng + 3]
         return replace(
-            lp, **changes, oh_us=oh, oh_spec_us=oh_spec if has_spec else lp.oh_spec_us, oh_req_us=oh_req
+            lp, **changes, oh_us=oh, oh_spec_us=oh_spec if has_spec else lp.oh_spec_us, oh_req_us=oh_req, p=p
         )
 
     def resid(z: np.ndarray) -> np.ndarray:
         return np.log(_predict_steps(make(z), bs, depth, ctx, pf) / us)
 
-    z0 = np.array([0.0, lp.oh_us / 1000.0, lp.oh_spec_us / 1000.0, lp.oh_req_us])
-    # Subsample for speed: a few thousand steps pin four parameters.
+    z0 = np.concatenate([np.zeros(ng), [lp.oh_us / 1000.0, lp.oh_spec_us / 1000.0, lp.oh_req_us, lp.p]])
+    # Subsample for speed: a few thousand steps pin these few parameters.
     if len(us) > 4000:
         idx = np.linspace(0, len(us) - 1, 4000).astype(int)
         bs, depth, ctx, pf, us = bs[idx], depth[idx], ctx[idx], pf[idx], us[idx]
-    sol = least_squares(
-        resid, z0, bounds=([-3.0, 0.0, 0.0, 0.0], [3.0, 1e4, 1e4, 1e4]), loss="soft_l1", f_scale=0.1
-    )
+    lo = np.concatenate([np.full(ng, -5.0), [0.0, 0.0, 0.0, 1.0]])
+    hi = np.concatenate([np.full(ng, 5.0), [1e4, 1e4, 1e4, 16.0]])
+    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1)
     return make(sol.x)
 
 

@@ -1,0 +1,1 @@
+"""Bundled example traces (SIMULATED from the bundled deployments; see README.md)."""

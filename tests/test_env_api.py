@@ -1,0 +1,260 @@
+"""The simulator's public API: SpecDecode-v0, the runner, workloads, params, deployments."""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import env  # noqa: F401 — registers SpecDecode-v0
+from controller.errors import ConfigError, FitError
+from controller.features import Featurizer
+from controller.policy import StaticPolicy
+from env.deployments import DEPLOYMENTS, load_deployment
+from env.gym_env import SpecDecodeEnv
+from env.params import SimParams
+from env.runner import simulate
+from env.workload import parse_workload
+
+DEPTHS = (0, 1, 2, 3, 5)
+
+
+def test_registered_and_passes_both_env_checkers():
+    from gymnasium.utils.env_checker import check_env
+    from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+    spec = gym.spec("SpecDecode-v0")
+    assert spec.max_episode_steps == 2048
+    e = gym.make("SpecDecode-v0", workload="closed:16")
+    check_env(e.unwrapped, skip_render_check=True)
+    sb3_check_env(SpecDecodeEnv(workload="closed:16"), warn=True)
+    assert e.observation_space.shape == (Featurizer(DEPTHS).obs_dim,)
+    assert e.action_space.n == len(DEPTHS)
+
+
+def _episode(e: SpecDecodeEnv, seed: int, n: int = 120):
+    obs, _ = e.reset(seed=seed)
+    out = [obs]
+    rewards = []
+    for i in range(n):
+        obs, r, term, trunc, info = e.step(i % len(DEPTHS))
+        out.append(obs)
+        rewards.append(r)
+    return out, rewards
+
+
+def test_same_seed_same_episode():
+    e = SpecDecodeEnv(workload=["closed:8", "poisson:30"], randomize=0.5, action_delay=(1, 2))
+    a, ra = _episode(e, 7)
+    b, rb = _episode(e, 7)
+    c, _ = _episode(e, 8)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and ra == rb
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_observation_is_the_featurizer_of_the_records():
+    e = SpecDecodeEnv(workload="closed:24")
+    obs, info = e.reset(seed=1)
+    feat = Featurizer(DEPTHS)
+    assert np.array_equal(obs, feat.update(info["step"]))
+    for i in range(200):
+        obs, _, _, _, info = e.step((i * 7) % len(DEPTHS))
+        assert np.array_equal(obs, np.clip(feat.update(info["step"]), -10, 10).astype(np.float32))
+        assert e.observation_space.contains(obs)
+
+
+def test_reward_is_extra_tokens_over_no_speculation():
+    e = SpecDecodeEnv(workload="closed:16", reward_scale=8.0)
+    e.reset(seed=0)
+    for _ in range(50):
+        _, r, *_ = e.step(0)
+        assert r == 0.0  # depth 0 is the reference
+    total, extra = 0.0, 0.0
+    for _ in range(200):
+        _, r, _, _, info = e.step(3)
+        rec = info["step"]
+        eng = e.engine
+        extra += rec.tokens - rec.bs * eng.last_model_us / eng.last_base_us
+        total += r
+    assert math.isclose(total * 8.0, extra, rel_tol=1e-9)
+    assert total > 0  # speculation pays at batch 16 on the H200
+
+
+def test_action_delay_applies_decisions_later():
+    e = SpecDecodeEnv(workload="closed:4", action_delay=2)
+    e.reset(seed=0)
+    _, _, _, _, info = e.step(4)
+    assert info["depth"] == 0  # the decision made from record 0 lands one step later
+    _, _, _, _, info = e.step(1)
+    assert info["depth"] == DEPTHS[4]
+    e1 = SpecDecodeEnv(workload="closed:4", action_delay=1)
+    e1.reset(seed=0)
+    assert e1.step(4)[4]["depth"] == DEPTHS[4]
+
+
+def test_reset_options_and_truncation():
+    e = SpecDecodeEnv(deployment="seed", workload="closed:2", episode_steps=5)
+    _, info = e.reset(seed=0, options={"concurrency": 64})
+    assert e.engine is not None and e.engine.spec.args == (64.0,)
+    for _ in range(4):
+        assert not e.step(0)[3]
+    assert e.step(0)[3]  # truncated at episode_steps
+    e.reset(seed=0, options={"workload": "closed:3@n=3,output=5"})
+    done = False
+    for _ in range(100):
+        _, _, term, _, _ = e.step(1)
+        if term:
+            done = True
+            break
+    assert done
+
+
+def test_bad_arguments_raise_config_errors():
+    with pytest.raises(ConfigError):
+        SpecDecodeEnv(depths=(1, 2))
+    with pytest.raises(ConfigError):
+        SpecDecodeEnv(deployment="nope")
+    with pytest.raises(ConfigError):
+        SpecDecodeEnv(action_delay=0)
+    e = SpecDecodeEnv()
+    e.reset(seed=0)
+    with pytest.raises(ConfigError):
+        e.step(99)
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def test_simulate_static_policies_and_bind_engine():
+    params = load_deployment("h200-llama8b")
+    bound = []
+
+    class Oracle:
+        name = "oracle"
+
+        def reset(self) -> None:
+            pass
+
+        def bind_engine(self, engine) -> None:
+            bound.append(engine)
+
+        def act(self, obs, step) -> int:
+            rates = [bound[0].expected_rate(d) for d in DEPTHS]
+            return int(np.argmax(rates))
+
+    r0 = simulate(params, "closed:8", StaticPolicy(0, DEPTHS), depths=DEPTHS, seed=0, duration_s=5)
+    r3 = simulate(params, "closed:8", StaticPolicy(3, DEPTHS), depths=DEPTHS, seed=0, duration_s=5)
+    ro = simulate(params, "closed:8", Oracle(), depths=DEPTHS, seed=0, duration_s=5)
+    assert bound and r0.depth_hist == {0: r0.steps}
+    assert set(r3.depth_hist) == {0, 3} and r3.depth_hist[0] == 1  # only the step before the first decision
+    assert r3.throughput_tok_s > r0.throughput_tok_s > 0
+    assert ro.throughput_tok_s >= 0.97 * r3.throughput_tok_s
+    assert r0.tpot_ms_mean > r3.tpot_ms_mean > 0
+    assert len(r0.trace_time_s) == r0.steps == len(r0.trace_bs)
+    assert math.isclose(r0.throughput_tok_s, r0.tokens / r0.duration_s)
+
+
+def test_simulate_needs_a_stop_condition_and_valid_actions():
+    params = load_deployment("seed")
+    with pytest.raises(ConfigError):
+        simulate(params, "poisson:5", StaticPolicy(0, DEPTHS), depths=DEPTHS)
+
+    class Bad:
+        name = "bad"
+
+        def reset(self) -> None:
+            pass
+
+        def act(self, obs, step) -> int:
+            return 7
+
+    with pytest.raises(ConfigError):
+        simulate(params, "closed:2", Bad(), depths=DEPTHS, duration_s=1)
+
+
+@pytest.mark.slow
+def test_seed_deployment_reproduces_the_published_figures():
+    """reference/seed_benchmark.md, each figure within 10% (long runs: 300 simulated s)."""
+    params = load_deployment("seed")
+
+    def tput(wl: str, depth: int) -> float:
+        return simulate(
+            params, wl, StaticPolicy(depth, DEPTHS), depths=DEPTHS, seed=0, duration_s=300
+        ).throughput_tok_s
+
+    figures = {
+        ("preset:single_stream", 0): 92.6,
+        ("preset:single_stream", 3): 96.1,
+        ("closed:1", 0): 92.6,
+        ("closed:1", 3): 77.5,
+        ("closed:64", 0): 773.0,
+        ("closed:64", 3): 354.0,
+    }
+    for (wl, depth), reported in figures.items():
+        got = tput(wl, depth)
+        assert abs(got / reported - 1.0) <= 0.10, (wl, depth, got, reported)
+    for c in (2, 8, 30, 250):
+        assert tput(f"closed:{c}", 3) < tput(f"closed:{c}", 0)
+
+
+# ----------------------------------------------------------------------------- workloads, params
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["closed:4", "poisson:2.5", "burst:1,20,10", "burst:1,20,10,0.5", "ramp:1,50,30", "phase:20:closed:8",
+     "closed:1@prompt=64,output=9,accept_shift=1.5,n=3"],
+)  # fmt: skip
+def test_workload_specs_parse_and_run(spec):
+    w = parse_workload(spec)
+    assert w.text == spec
+    r = simulate(load_deployment("seed"), spec, StaticPolicy(1, DEPTHS), depths=DEPTHS, duration_s=3)
+    assert r.steps > 0
+
+
+@pytest.mark.parametrize(
+    "spec", ["closed:0", "closed:2.5", "poisson", "poisson:-1", "burst:1,2", "ramp:1,2,0", "zipf:3", "closed:2@foo=1",
+             "closed:2@prompt=-3", "phase:x:closed:2", "preset:none", "replay:"],
+)  # fmt: skip
+def test_bad_workload_specs(spec):
+    with pytest.raises(ConfigError):
+        parse_workload(spec)
+
+
+def test_phase_workload_shifts_acceptance():
+    from env.workload import Arrivals
+
+    w = parse_workload("phase:10:poisson:5")
+    arr = Arrivals(w, load_deployment("seed").workload, 0.8, np.random.default_rng(0))
+    assert arr.shift_at(1_000_000) == 0.0 and arr.shift_at(6_000_000) == 0.8
+
+
+def test_replay_csv(tmp_path):
+    path = tmp_path / "arrivals.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,100,20\n0.5,200,30\n0.7,50,10\n")
+    r = simulate(load_deployment("seed"), f"replay:{path}", StaticPolicy(0, DEPTHS), depths=DEPTHS)
+    assert r.n_requests == 3 and r.tokens == 60
+    bad = tmp_path / "bad.csv"
+    bad.write_text("when,prompt\n1,2\n")
+    with pytest.raises(ConfigError, match="bad.csv"):
+        simulate(load_deployment("seed"), f"replay:{bad}", StaticPolicy(0, DEPTHS), depths=DEPTHS)
+
+
+def test_params_json_roundtrip_and_perturb(tmp_path):
+    for name in DEPLOYMENTS:
+        p = load_deployment(name)
+        path = tmp_path / f"{name}.json"
+        p.to_json(path)
+        assert SimParams.from_json(path) == p
+        assert p.perturb(np.random.default_rng(0), 0.0) is p
+        q = p.perturb(np.random.default_rng(0), 1.0)
+        assert q != p and q.latency.w_us > 0
+        assert q == p.perturb(np.random.default_rng(0), 1.0)
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(FitError, match="x.json"):
+        SimParams.from_json(tmp_path / "x.json")
+    (tmp_path / "y.json").write_text('{"format": 1, "latency": {}}')
+    with pytest.raises(FitError, match="y.json"):
+        SimParams.from_json(tmp_path / "y.json")
