@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,13 @@ ADAPTIVE = ("vllm-dsd", "trtllm-schedule", "sglang-adaptive", "goodput", "bandit
 
 def _score(results: dict[str, Any], spec: str, policy: str) -> float:
     return float(results["workloads"][spec]["policies"][policy]["score"]["mean"])
+
+
+def _ratio(results: dict[str, Any], spec: str, a: str, b: str) -> float:
+    """score(a) / score(b) on ``spec``; NaN when b scored nothing (e.g. no request completed)."""
+    den = _score(results, spec, b)
+    num = _score(results, spec, a)
+    return num / den if den > 0 and math.isfinite(den) and math.isfinite(num) else float("nan")
 
 
 def check_targets(results: dict[str, Any], learned: str = "ppo") -> list[dict[str, Any]]:
@@ -41,8 +49,8 @@ def check_targets(results: dict[str, Any], learned: str = "ppo") -> list[dict[st
         ratios = {}
         for s in closed:
             best = max(statics, key=lambda p: _score(results, s, p))
-            ratios[s] = (_score(results, s, learned) / _score(results, s, best), best)
-        worst = min(ratios, key=lambda s: ratios[s][0])
+            ratios[s] = (_ratio(results, s, learned, best), best)
+        worst = min(ratios, key=lambda s: _nan_last(ratios[s][0]))
         add(
             "closed loop: PPO / best static, worst C",
             ratios[worst][0],
@@ -50,19 +58,16 @@ def check_targets(results: dict[str, Any], learned: str = "ppo") -> list[dict[st
             f"worst at {worst} (best static there: {ratios[worst][1]})",
         )
         if "static:0" in pols:
-            r0 = {s: _score(results, s, learned) / _score(results, s, "static:0") for s in closed}
-            w0 = min(r0, key=r0.__getitem__)
+            r0 = {s: _ratio(results, s, learned, "static:0") for s in closed}
+            w0 = min(r0, key=lambda s: _nan_last(r0[s]))
             add("closed loop: PPO / static:0, worst C", r0[w0], 1.0, f"worst at {w0}")
         c1 = next((s for s in closed if wls[s]["x"] == 1.0), None)
         if c1 is not None:
             add("C=1: PPO / best static", ratios[c1][0], 0.99, f"best static at C=1: {ratios[c1][1]}")
     ns = [s for s, w in wls.items() if w["family"] == "nonstationary"]
     if ns and adaptive:
-        per = {
-            b: float(np.mean([_score(results, s, learned) / _score(results, s, b) for s in ns]))
-            for b in adaptive
-        }
-        best_b = min(per, key=per.__getitem__)
+        per = {b: float(np.nanmean([_ratio(results, s, learned, b) for s in ns])) for b in adaptive}
+        best_b = min(per, key=lambda b: _nan_last(per[b]))
         add(
             "non-stationary: PPO / best adaptive baseline, mean over workloads",
             per[best_b],
@@ -73,15 +78,24 @@ def check_targets(results: dict[str, Any], learned: str = "ppo") -> list[dict[st
         worst_r, where = float("inf"), ""
         for s in wls:
             for b in adaptive:
-                r = _score(results, s, learned) / _score(results, s, b)
+                r = _ratio(results, s, learned, b)
                 if r < worst_r:
                     worst_r, where = r, f"{b} on {s}"
         add("any workload: PPO / each adaptive baseline, worst", worst_r, 0.99, where)
     if "oracle" in pols:
-        r = {s: _score(results, s, learned) / _score(results, s, "oracle") for s in wls}
-        w = min(r, key=r.__getitem__)
-        add("PPO / oracle, worst workload", r[w], 0.95, f"worst at {w}; mean {np.mean(list(r.values())):.3f}")
+        r = {s: _ratio(results, s, learned, "oracle") for s in wls}
+        w = min(r, key=lambda s: _nan_last(r[s]))
+        add(
+            "PPO / oracle, worst workload",
+            r[w],
+            0.95,
+            f"worst at {w}; mean {np.nanmean(list(r.values())):.3f}",
+        )
     return out
+
+
+def _nan_last(x: float) -> float:
+    return x if math.isfinite(x) else float("inf")
 
 
 def _fmt(stats: dict[str, Any], key: str, digits: int = 0) -> str:

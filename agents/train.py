@@ -1,0 +1,487 @@
+"""``controller train``: fit the simulator, train a PPO depth policy in it, save what serving needs.
+
+The pipeline, top to bottom:
+
+1. **Simulator.** ``--traces DIR [--profile CSV ...]`` → ``env.fit.fit_sim``; or a bundled
+   ``--deployment``; or a ready ``--sim sim.json``. The parameters used are written as
+   ``sim.json`` next to the policy.
+2. **Environment.** ``env.gym_env.SpecDecodeEnv`` (``SpecDecode-v0``): observations are the
+   Featurizer's, exactly as served. Domain randomization per episode: simulator parameters
+   drawn around the fit by their standard errors (``randomize``), a workload drawn from a
+   broad mix (closed loop C log-uniform in 1…250, Poisson at 5–100% of capacity, ramps,
+   bursts, chat↔code acceptance phase shifts on closed and open bases), and the
+   overlap-scheduling action delay drawn from {1, 2}.
+3. **Reward.** :class:`RegretReward` replaces the env's reward with
+   ``E[rate | state, chosen depth] / max_k E[rate | state, k]`` — the fraction of the best
+   achievable expected tokens/s for the batch as it stands, computed from the simulator's
+   true per-request acceptance and latency model (privileged information used only for the
+   reward, never in an observation). It is in (0, 1], scale-free across batch sizes (so
+   small-batch and large-batch regimes weigh the same), and has far less variance than
+   sampled tokens. With it, the problem is a contextual bandit with delayed application,
+   so ``gamma`` defaults to 0.
+4. **Warm start.** Regret-weighted behaviour cloning of the clairvoyant oracle, DAgger-style:
+   states are collected by rolling out (first the oracle with random actions mixed in, then
+   the current network), every allowed depth is scored there, and the actor is trained to
+   minimise expected regret. This gets PPO to a good policy in minutes on 2 cores.
+5. **PPO.** stable-baselines3 PPO (MlpPolicy, 2×64 tanh) fine-tunes on-policy with the same
+   reward, with a progress bar and TensorBoard logs (``tb/``).
+6. **Outputs.** ``ppo.zip`` (SB3 format + ``specdepth.json``, loadable by ``controller serve``
+   unchanged), ``sim.json``, ``train_config.json`` (the resolved config),
+   ``train_report.md``.
+
+Reproducible for a seed: every RNG derives from ``seed`` and torch runs single-threaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from controller.errors import ConfigError
+
+DEFAULT_DEPTHS = (0, 1, 2, 3, 5)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``controller train`` does; written next to the artefacts as JSON.
+
+    Attributes:
+        out: path of the policy zip; its folder receives sim.json, reports and tb/.
+        traces: trace folder to fit (with ``profiles``), or None.
+        profiles: latency profile CSVs for the fit.
+        deployment: bundled deployment name instead of traces.
+        sim: a fitted sim.json instead of traces.
+        depths: allowed depths.
+        seed: the one seed everything derives from.
+        timesteps: PPO environment steps after the warm start.
+        n_envs: simulator copies stepped together (in-process).
+        n_steps: PPO rollout length per env.
+        batch_size: PPO minibatch.
+        n_epochs: PPO epochs per rollout.
+        learning_rate: PPO learning rate (linearly decayed to 0).
+        gamma: discount; 0 because the regret reward is immediate (see module docstring).
+        ent_coef: entropy bonus.
+        clip_range: PPO clip.
+        net_arch: hidden widths of policy and value MLPs.
+        randomize: domain-randomization scale (× the fit's standard errors).
+        episode_steps: decode steps per episode.
+        delay: overlap-scheduling action delay range (inclusive).
+        n_workloads: size of the per-episode workload pool drawn at start.
+        bc_rounds: DAgger rounds of the warm start (0 = plain PPO from scratch).
+        bc_states: states collected per round.
+        bc_epochs: passes over the aggregated states per round.
+        progress: show a progress bar.
+    """
+
+    out: Path = Path("ppo.zip")
+    traces: Path | None = None
+    profiles: tuple[Path, ...] = ()
+    deployment: str | None = None
+    sim: Path | None = None
+    depths: tuple[int, ...] = DEFAULT_DEPTHS
+    seed: int = 0
+    timesteps: int = 200_000
+    n_envs: int = 8
+    n_steps: int = 512
+    batch_size: int = 512
+    n_epochs: int = 5
+    learning_rate: float = 1e-4
+    gamma: float = 0.0
+    ent_coef: float = 0.0
+    clip_range: float = 0.1
+    net_arch: tuple[int, ...] = (64, 64)
+    randomize: float = 1.0
+    episode_steps: int = 1024
+    delay: tuple[int, int] = (1, 2)
+    n_workloads: int = 400
+    bc_rounds: int = 3
+    bc_states: int = 60_000
+    bc_epochs: int = 30
+    progress: bool = True
+
+    @classmethod
+    def from_args(cls, args: Any, depths: tuple[int, ...] | None) -> TrainConfig:
+        cfg = cls(
+            out=args.out,
+            traces=args.traces,
+            profiles=tuple(args.profile),
+            deployment=args.deployment,
+            sim=args.sim,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        if depths is not None:
+            cfg = replace(cfg, depths=depths)
+        if args.timesteps is not None:
+            cfg = replace(cfg, timesteps=args.timesteps)
+        if args.n_envs is not None:
+            cfg = replace(cfg, n_envs=args.n_envs)
+        if not cfg.out.name.endswith(".zip"):
+            raise ConfigError(f"--out must name a .zip file, got {str(cfg.out)!r}")
+        return cfg
+
+    def to_json(self) -> str:
+        return json.dumps({k: _jsonable(v) for k, v in asdict(self).items()}, indent=1)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+@dataclass
+class TrainResult:
+    zip_path: Path
+    report_path: Path
+    timesteps: int
+    wall_s: float
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+def fitted_params(cfg: TrainConfig) -> tuple[Any, str]:
+    """The simulator parameters to train in, and a line saying where they came from."""
+    from env.params import SimParams
+
+    if cfg.sim is not None:
+        return SimParams.from_json(cfg.sim), f"sim.json {cfg.sim}"
+    if cfg.deployment is not None:
+        from env.deployments import load_deployment
+
+        return load_deployment(cfg.deployment), f"bundled deployment {cfg.deployment}"
+    if cfg.traces is None:
+        raise ConfigError("give --traces, --deployment or --sim")
+    try:
+        from env.fit import fit_sim
+    except ImportError as exc:
+        raise ConfigError(f"fitting traces needs env.fit ({exc})") from None
+    params, report = fit_sim(cfg.traces, [str(p) for p in cfg.profiles])
+    return params, f"fitted to {cfg.traces} + {len(cfg.profiles)} profile(s): {report}"
+
+
+def capacity_req_s(params: Any, depths: tuple[int, ...]) -> float:
+    """Requests/s the deployment sustains without speculation at full concurrency."""
+    from controller.policy import StaticPolicy
+    from env.runner import simulate
+
+    cap = max(1, params.engine.max_running_requests)
+    res = simulate(
+        params, f"closed:{cap}", StaticPolicy(depths[0], depths), depths=depths, seed=0, duration_s=20.0
+    )
+    return res.n_requests / max(res.duration_s, 1e-9) if res.n_requests else 1.0
+
+
+def workload_pool(rng: np.random.Generator, capacity: float, n: int, max_c: int = 250) -> list[str]:
+    """``n`` workload specs covering the regimes the policy must handle (see module docstring)."""
+    out: list[str] = []
+    for _ in range(n):
+        u = rng.random()
+        rate = lambda lo, hi: round(float(capacity * rng.uniform(lo, hi)), 3)  # noqa: E731
+        if u < 0.40:
+            c = int(round(math.exp(rng.uniform(0.0, math.log(max_c)))))
+            out.append(f"closed:{max(1, c)}")
+        elif u < 0.55:
+            out.append(f"poisson:{rate(0.05, 1.0)}")
+        elif u < 0.65:
+            r0, r1 = rate(0.05, 0.5), rate(0.5, 1.1)
+            if rng.random() < 0.5:
+                r0, r1 = r1, r0
+            out.append(f"ramp:{r0},{r1},{rng.uniform(10, 40):.1f}")
+        elif u < 0.75:
+            out.append(
+                f"burst:{rate(0.02, 0.3)},{rate(0.8, 1.5)},{rng.uniform(4, 20):.1f},{rng.uniform(0.1, 0.4):.2f}"
+            )
+        elif u < 0.88:
+            c = int(round(math.exp(rng.uniform(0.0, math.log(max_c)))))
+            out.append(f"phase:{rng.uniform(4, 30):.1f}:closed:{max(1, c)}")
+        else:
+            out.append(f"phase:{rng.uniform(4, 30):.1f}:poisson:{rate(0.05, 0.9)}")
+    return out
+
+
+def _rates(engine: Any, depths: tuple[int, ...]) -> np.ndarray:
+    """True expected tokens/s of the next step at every depth (the oracle's view)."""
+    return np.array([engine.expected_rate(d) for d in depths], dtype=np.float64)
+
+
+def _make_env_class():
+    import gymnasium as gym
+
+    class RegretReward(gym.Wrapper):
+        """Reward = expected rate of the chosen depth / best expected rate, for the batch as it
+        stands when the decision is made (see module docstring). ``info["rates"]`` holds the
+        rate vector the reward came from."""
+
+        def __init__(self, env: gym.Env) -> None:
+            super().__init__(env)
+            self.depths = env.unwrapped.depths
+            self._rates = np.ones(len(self.depths))
+
+        def reset(self, **kwargs: Any):
+            obs, info = self.env.reset(**kwargs)
+            self._rates = _rates(self.env.unwrapped.engine, self.depths)
+            info["rates"] = self._rates
+            return obs, info
+
+        def step(self, action: Any):
+            rates = self._rates
+            best = rates.max()
+            reward = float(rates[int(action)] / best) if best > 0 else 1.0
+            obs, _, terminated, truncated, info = self.env.step(action)
+            self._rates = _rates(self.env.unwrapped.engine, self.depths)
+            info["rates"] = self._rates
+            return obs, reward, terminated, truncated, info
+
+    return RegretReward
+
+
+def make_env(params: Any, workloads: list[str], cfg: TrainConfig):
+    """One training environment: SpecDecode-v0 on ``params`` with the regret reward."""
+    from env.gym_env import SpecDecodeEnv
+
+    env = SpecDecodeEnv(
+        deployment=params,
+        workload=workloads,
+        depths=cfg.depths,
+        action_delay=cfg.delay,
+        randomize=cfg.randomize,
+        episode_steps=cfg.episode_steps,
+    )
+    return _make_env_class()(env)
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+def _collect(
+    envs: list[Any], n_states: int, act_fn, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Roll out ``act_fn(obs, rates) -> action`` over the envs; return (obs, rates) pairs."""
+    obs_l, rate_l = [], []
+    state = [e.reset(seed=int(rng.integers(2**31))) for e in envs]
+    per_env = math.ceil(n_states / len(envs))
+    for i, env in enumerate(envs):
+        obs, info = state[i]
+        for _ in range(per_env):
+            rates = info["rates"]
+            if rates.max() > 0:
+                obs_l.append(obs)
+                rate_l.append(rates / rates.max())
+            obs, _, term, trunc, info = env.step(act_fn(obs, rates))
+            if term or trunc:
+                obs, info = env.reset(seed=int(rng.integers(2**31)))
+    return np.asarray(obs_l, dtype=np.float32), np.asarray(rate_l, dtype=np.float32)
+
+
+def _fit_actor(
+    model: Any, obs: np.ndarray, rel: np.ndarray, epochs: int, rng: np.random.Generator, tau: float = 0.005
+) -> float:
+    """Fit the actor to soft labels softmax(rel / tau) by cross-entropy; returns the mean regret
+    of the greedy action on the states.
+
+    Why not minimise expected regret Σ_k π(k|s)(1 − rel_k) directly: its gradient vanishes as
+    the softmax saturates, and it does — on the majority depth — within an epoch. Soft labels
+    keep the cost-sensitivity (a depth 1% worse gets e^-2 of the best one's mass at tau=0.005)
+    with cross-entropy's non-vanishing gradient."""
+    import torch
+
+    policy = model.policy
+    # The critic learns the labels' expected reward too, so PPO's first advantages are not noise.
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    x = torch.as_tensor(obs)
+    regret = torch.as_tensor(1.0 - rel)
+    target = torch.softmax(torch.as_tensor(rel) / tau, dim=1)
+    value = (target * torch.as_tensor(rel)).sum(1, keepdim=True)
+    n = len(x)
+    bs = 1024
+    for _ in range(epochs):
+        perm = torch.as_tensor(rng.permutation(n))
+        for i in range(0, n, bs):
+            idx = perm[i : i + bs]
+            logp = torch.log_softmax(policy.get_distribution(x[idx]).distribution.logits, dim=1)
+            loss = -(target[idx] * logp).sum(1).mean()
+            loss = loss + torch.nn.functional.mse_loss(policy.predict_values(x[idx]), value[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        greedy = policy.get_distribution(x).distribution.probs.argmax(1)
+        return float(regret[torch.arange(n), greedy].mean())
+
+
+def warm_start(
+    model: Any, envs: list[Any], cfg: TrainConfig, rng: np.random.Generator, log
+) -> list[dict[str, float]]:
+    """DAgger rounds of regret-weighted cloning of the oracle into ``model``'s actor."""
+    import torch
+
+    n_act = len(cfg.depths)
+    history: list[dict[str, float]] = []
+    obs_all: list[np.ndarray] = []
+    rel_all: list[np.ndarray] = []
+    for r in range(cfg.bc_rounds):
+        if r == 0:
+            # The oracle with 30% random actions: covers the states a decent policy visits and
+            # the ones its mistakes lead to (stale drafter after depth 0, queues after deep steps).
+            def act(obs: np.ndarray, rates: np.ndarray) -> int:
+                return int(rng.integers(n_act)) if rng.random() < 0.3 else int(np.argmax(rates))
+        else:
+
+            def act(obs: np.ndarray, rates: np.ndarray) -> int:
+                if rng.random() < 0.1:
+                    return int(rng.integers(n_act))
+                with torch.no_grad():
+                    logits = model.policy.get_distribution(torch.as_tensor(obs[None])).distribution.logits
+                return int(logits.argmax())
+
+        t0 = time.perf_counter()
+        obs, rel = _collect(envs, cfg.bc_states, act, rng)
+        obs_all.append(obs)
+        rel_all.append(rel)
+        regret = _fit_actor(model, np.concatenate(obs_all), np.concatenate(rel_all), cfg.bc_epochs, rng)
+        history.append({"round": r, "states": float(sum(len(o) for o in obs_all)), "greedy_regret": regret})
+        log(
+            f"warm start round {r + 1}/{cfg.bc_rounds}: {len(obs)} states, greedy regret {regret:.4f} "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
+    return history
+
+
+# --------------------------------------------------------------------------- train
+
+
+def train(cfg: TrainConfig, log=print) -> TrainResult:
+    """Run the whole pipeline (module docstring) and write its outputs."""
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from controller.ppo_policy import meta_for, write_metadata
+
+    t_start = time.perf_counter()
+    torch.set_num_threads(1)  # determinism, and a fair share of a shared 2-core machine
+    torch.manual_seed(cfg.seed)
+    out_dir = cfg.out.parent if str(cfg.out.parent) else Path(".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    params, source = fitted_params(cfg)
+    params.to_json(out_dir / "sim.json")
+    (out_dir / "train_config.json").write_text(cfg.to_json() + "\n")
+    rng = np.random.default_rng(cfg.seed)
+    capacity = capacity_req_s(params, cfg.depths)
+    workloads = workload_pool(rng, capacity, cfg.n_workloads)
+    log(f"simulator: {source}; capacity ≈ {capacity:.2f} req/s; {len(workloads)} workloads")
+
+    def factory(i: int):
+        return lambda: make_env(params, workloads, cfg)
+
+    vec = DummyVecEnv([factory(i) for i in range(cfg.n_envs)])
+    model = PPO(
+        "MlpPolicy",
+        vec,
+        n_steps=cfg.n_steps,
+        batch_size=cfg.batch_size,
+        n_epochs=cfg.n_epochs,
+        learning_rate=lambda progress: cfg.learning_rate * progress,
+        gamma=cfg.gamma,
+        gae_lambda=0.0 if cfg.gamma == 0.0 else 0.95,
+        ent_coef=cfg.ent_coef,
+        clip_range=cfg.clip_range,
+        policy_kwargs={"net_arch": list(cfg.net_arch), "activation_fn": torch.nn.Tanh},
+        tensorboard_log=str(out_dir / "tb"),
+        seed=cfg.seed,
+        device="cpu",
+        verbose=0,
+    )
+    history: list[dict[str, float]] = []
+    bc_history: list[dict[str, float]] = []
+    if cfg.bc_rounds > 0:
+        bc_envs = [make_env(params, workloads, cfg) for _ in range(4)]
+        bc_history = warm_start(model, bc_envs, cfg, rng, log)
+    t_bc = time.perf_counter() - t_start
+
+    class Track(BaseCallback):
+        """Mean reward (fraction of the oracle's expected rate) per rollout, for the report."""
+
+        def _on_rollout_end(self) -> None:
+            rewards = self.model.rollout_buffer.rewards
+            history.append({"timesteps": float(self.num_timesteps), "mean_reward": float(np.mean(rewards))})
+            self.logger.record("charts/oracle_fraction", float(np.mean(rewards)))
+
+        def _on_step(self) -> bool:
+            return True
+
+    if cfg.timesteps > 0:
+        model.learn(
+            total_timesteps=cfg.timesteps, callback=Track(), progress_bar=cfg.progress, tb_log_name="ppo"
+        )
+    wall = time.perf_counter() - t_start
+    model.save(cfg.out)
+    extra = {
+        "seed": cfg.seed,
+        "timesteps": cfg.timesteps,
+        "sim": params.name,
+        "source": source,
+        "reward": "expected rate / oracle's best expected rate",
+        "warm_start_rounds": cfg.bc_rounds,
+    }
+    write_metadata(cfg.out, meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra))
+    report = out_dir / "train_report.md"
+    report.write_text(_report(cfg, source, capacity, bc_history, history, t_bc, wall))
+    return TrainResult(cfg.out, report, cfg.timesteps, wall, history)
+
+
+def _report(
+    cfg: TrainConfig,
+    source: str,
+    capacity: float,
+    bc: list[dict[str, float]],
+    hist: list[dict[str, float]],
+    t_bc: float,
+    wall: float,
+) -> str:
+    lines = [
+        f"# Training report: {cfg.out.name}",
+        "",
+        f"- simulator: {source} (written as sim.json); capacity ≈ {capacity:.2f} req/s",
+        f"- depths {list(cfg.depths)}; seed {cfg.seed}; net {list(cfg.net_arch)} tanh",
+        f"- domain randomization ×{cfg.randomize} of the fit's standard errors; {cfg.n_workloads} workloads; "
+        f"action delay {cfg.delay[0]}–{cfg.delay[1]} steps",
+        f"- wall time {wall:.0f} s (warm start {t_bc:.0f} s, PPO {wall - t_bc:.0f} s for {cfg.timesteps} steps)",
+        "",
+        "Reward: expected tokens/s of the chosen depth ÷ the best depth's, for the batch at decision time "
+        "(1.0 = the clairvoyant oracle's choice).",
+        "",
+    ]
+    if bc:
+        lines += [
+            "## Warm start (regret-weighted cloning of the oracle, DAgger)",
+            "",
+            "| round | states | greedy regret |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {int(h['round']) + 1} | {int(h['states'])} | {h['greedy_regret']:.4f} |" for h in bc]
+        lines.append("")
+    if hist:
+        lines += ["## PPO", "", "| timesteps | mean reward (stochastic policy) |", "|---|---|"]
+        step = max(1, len(hist) // 12)
+        for h in hist[::step] + ([hist[-1]] if (len(hist) - 1) % step else []):
+            lines.append(f"| {int(h['timesteps'])} | {h['mean_reward']:.4f} |")
+        lines.append("")
+    lines += ["Resolved config: train_config.json. TensorBoard: `tensorboard --logdir tb`.", ""]
+    return "\n".join(lines)
+
+
+__all__ = ["TrainConfig", "TrainResult", "capacity_req_s", "make_env", "train", "workload_pool"]

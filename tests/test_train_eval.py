@@ -1,0 +1,142 @@
+"""Tiny-budget smoke runs of ``controller train`` and ``controller eval``; reproducibility."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agents.cli import register  # noqa: F401  (the CLI module must import without heavy deps)
+from agents.evaluate import EvalConfig, ci95, evaluate
+from agents.train import TrainConfig, train, workload_pool
+from controller.cli import main
+from controller.ppo_policy import load_ppo_factory
+
+TINY = TrainConfig(
+    deployment="seed",
+    timesteps=512,
+    n_envs=2,
+    n_steps=128,
+    batch_size=128,
+    n_epochs=2,
+    episode_steps=150,
+    n_workloads=12,
+    bc_rounds=1,
+    bc_states=600,
+    bc_epochs=2,
+    progress=False,
+)
+
+
+def _weights(path: Path) -> dict[str, np.ndarray]:
+    with zipfile.ZipFile(path) as zf:
+        sd = torch.load(io.BytesIO(zf.read("policy.pth")), weights_only=True)
+    return {k: v.numpy() for k, v in sd.items()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("train") / "ppo.zip"
+    train(replace(TINY, out=out), log=lambda *_: None)
+    return out
+
+
+@pytest.mark.slow
+def test_train_writes_a_servable_zip_and_its_sim(trained):
+    folder = trained.parent
+    for name in ("sim.json", "train_config.json", "train_report.md"):
+        assert (folder / name).is_file(), name
+    assert any((folder / "tb").rglob("events.out.tfevents*")), "TensorBoard logs"
+    factory = load_ppo_factory(trained, (0, 1, 2, 3, 5))
+    assert factory.meta.extra["sim"] == "seed"
+    cfg = json.loads((folder / "train_config.json").read_text())
+    assert cfg["timesteps"] == 512 and cfg["seed"] == 0
+    assert "Warm start" in (folder / "train_report.md").read_text()
+
+
+@pytest.mark.slow
+def test_training_is_reproducible_for_a_seed(trained, tmp_path):
+    again = tmp_path / "again" / "ppo.zip"
+    train(replace(TINY, out=again), log=lambda *_: None)
+    a, b = _weights(trained), _weights(again)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    other = tmp_path / "other" / "ppo.zip"
+    train(replace(TINY, out=other, seed=1), log=lambda *_: None)
+    c = _weights(other)
+    assert any(not np.array_equal(a[k], c[k]) for k in a), "another seed should train another policy"
+
+
+def test_workload_pool_covers_every_regime():
+    pool = workload_pool(np.random.default_rng(0), capacity=10.0, n=400)
+    kinds = {w.split(":")[0] for w in pool}
+    assert kinds == {"closed", "poisson", "ramp", "burst", "phase"}
+    cs = [int(w.split(":")[1]) for w in pool if w.startswith("closed:")]
+    assert min(cs) == 1 and max(cs) >= 200
+    assert pool == workload_pool(np.random.default_rng(0), capacity=10.0, n=400)
+
+
+def test_ci95():
+    m, lo, hi = ci95([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert m == 3.0 and lo < 3.0 < hi
+    assert abs((hi - lo) / 2 - 2.776 * np.std([1, 2, 3, 4, 5], ddof=1) / np.sqrt(5)) < 1e-3
+    assert ci95([2.0]) == (2.0, 2.0, 2.0)
+
+
+@pytest.mark.slow
+def test_eval_writes_report_results_and_plots_and_is_reproducible(trained, tmp_path):
+    cfg = EvalConfig(
+        deployment="seed",
+        policies=(str(trained),),
+        baselines="static:0,static:3,sglang-adaptive,goodput,oracle",
+        out=tmp_path / "e1",
+        seeds=2,
+        scale=0.05,
+        concurrency=(1, 16),
+    )
+    report = evaluate(cfg)
+    text = report.read_text()
+    assert "## Targets" in text and "Closed loop" in text
+    res = json.loads((tmp_path / "e1" / "results.json").read_text())
+    assert res["schema"] == 1 and res["seeds"] == [0, 1]
+    fams = {w["family"] for w in res["workloads"].values()}
+    assert fams == {"closed", "poisson", "nonstationary"}
+    for w in res["workloads"].values():
+        assert set(w["policies"]) == {"static:0", "static:3", "sglang-adaptive", "goodput", "oracle", "ppo"}
+        for stats in w["policies"].values():
+            s = stats["throughput_tok_s"]
+            assert len(s["values"]) == 2 and s["ci95"][0] <= s["mean"] <= s["ci95"][1]
+    assert {t["name"].split(":")[0] for t in res["targets"]} >= {
+        "closed loop",
+        "PPO / oracle, worst workload",
+    }
+    for png in ("throughput_vs_concurrency.png", "tpot_vs_load.png", "depth_vs_batch_over_time.png"):
+        assert (tmp_path / "e1" / png).stat().st_size > 10_000, png
+    # Same config, same numbers.
+    evaluate(replace(cfg, out=tmp_path / "e2"))
+    res2 = json.loads((tmp_path / "e2" / "results.json").read_text())
+    for spec, w in res["workloads"].items():
+        for p, stats in w["policies"].items():
+            assert (
+                stats["throughput_tok_s"]["values"]
+                == res2["workloads"][spec]["policies"][p]["throughput_tok_s"]["values"]
+            )
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
+    assert main(["eval", "--sim", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing.json" in err
+    assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.txt")]) == 2
+    assert "must name a .zip" in capsys.readouterr().err
+    assert (
+        main(["eval", "--deployment", "seed", "--out", str(tmp_path / "o"), "--policy", "builtin:nope"]) == 2
+    )
+    assert "unknown builtin" in capsys.readouterr().err
