@@ -1,0 +1,510 @@
+"""Benchmark of the live controller: the four targets of the service issue, in one run.
+
+    python bench/bench_service.py                  # builds a 2x64 tanh PPO zip with SB3 first
+    python bench/bench_service.py --policy P.zip   # serve a given PPO zip (no SB3 needed)
+    python bench/bench_service.py --quick          # fewer samples, for a smoke run
+
+Rows (every number measured in this run; ratios side by side, interleaved in blocks):
+
+1. in-controller: message received -> decision sent, inside ``controller serve`` with the PPO
+   MLP, from the server's own ``--latency-log``; lock-step traffic, 1 instance.
+2. round trip over ``ipc://``: hook sends a step, waits for the decision, against a bare
+   Python ZeroMQ ROUTER echo; p50 ratio.
+3. throughput: the server pinned to one core, 8 instances with 64 steps in flight each;
+   sustained step messages/s, and every decision received in order (none lost).
+4. client critical path: ``ControllerClient.send_step`` + ``poll_decision`` (``poll(0)``),
+   with a live controller answering, steps ~1 ms apart.
+
+Plus a breakdown of the in-controller path measured in-process (decode, Featurizer, MLP).
+Servers and the echo run as separate processes; the load generator runs on other cores
+than the server where the machine has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from controller.client import ControllerClient  # noqa: E402
+from controller.features import Featurizer  # noqa: E402
+from controller.protocol import Hello, Step, pack, parse_step, unpack  # noqa: E402
+
+DEPTHS = (0, 1, 2, 3, 4, 5)
+ARCH = (64, 64)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def make_ppo_zip(path: Path, seed: int = 0) -> Path:
+    """An SB3 PPO zip (2x64 tanh) with the Featurizer's spaces and spread random weights."""
+    import gymnasium as gym
+    import torch
+    from gymnasium import spaces
+    from stable_baselines3 import PPO
+
+    from controller.ppo_policy import meta_for, write_metadata
+
+    obs_dim = Featurizer(DEPTHS).obs_dim
+
+    class SpacesOnly(gym.Env):  # type: ignore[type-arg]
+        observation_space = spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
+        action_space = spaces.Discrete(len(DEPTHS))
+
+        def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+            super().reset(seed=seed)
+            return np.zeros(obs_dim, np.float32), {}
+
+        def step(self, action: Any) -> Any:
+            return np.zeros(obs_dim, np.float32), 0.0, False, False, {}
+
+    model = PPO(
+        "MlpPolicy", SpacesOnly(), policy_kwargs={"net_arch": list(ARCH)}, n_steps=64, seed=seed, device="cpu"
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # untrained heads are near-uniform; spread them so inputs matter
+        for p in model.policy.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
+    model.save(path)
+    write_metadata(path, meta_for(DEPTHS, ARCH, "tanh"))
+    return path
+
+
+def step_stream(instance: str, n: int, seed: int) -> list[Step]:
+    """Plausible decode steps: batch sizes 1-64, acceptance geometric, mixed depths."""
+    rng = random.Random(seed)
+    out = []
+    for seq in range(n):
+        d = rng.choice(DEPTHS)
+        bs = rng.randint(1, 64)
+        accept = [min(d, int(rng.expovariate(0.7))) for _ in range(bs)] if d else []
+        out.append(
+            Step(
+                instance,
+                seq,
+                d,
+                bs,
+                rng.randint(0, 20),
+                accept,
+                rng.randint(8_000, 40_000),
+                bs * rng.randint(200, 4000),
+                rng.random(),
+                rng.choice((0, 0, 0, 256)),
+                time.monotonic_ns(),
+            )
+        )
+    return out
+
+
+def pin(cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(0, cores)
+    except (AttributeError, OSError):
+        pass
+
+
+def cores_available() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+class Proc:
+    """A server or echo subprocess, optionally pinned to one core."""
+
+    def __init__(self, args: list[str], core: int | None, ready_endpoint: str | None = None) -> None:
+        def pre() -> None:
+            if core is not None:
+                pin({core})
+
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            args, preexec_fn=pre, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        if ready_endpoint:
+            wait_welcome(ready_endpoint, self.proc)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.returncode not in (0, -signal.SIGTERM):
+            err = self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ""
+            raise SystemExit(f"subprocess failed ({self.proc.returncode}): {err}")
+
+
+def serve(policy: str, endpoint: str, core: int | None, latency_log: Path | None = None) -> Proc:
+    args = [sys.executable, "-m", "controller.cli", "serve", "--policy", policy, "--bind", endpoint]
+    args += ["--log-level", "warning"]
+    if latency_log is not None:
+        args += ["--latency-log", str(latency_log)]
+    return Proc(args, core, endpoint)
+
+
+def wait_welcome(endpoint: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(
+                    f"server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}"
+                )
+            sock.send(pack(Hello("probe", DEPTHS).to_wire()))
+            if sock.poll(250):
+                return
+        raise SystemExit(f"no welcome from {endpoint}")
+    finally:
+        sock.close(0)
+
+
+def echo_main(endpoint: str) -> None:
+    """A bare ROUTER echo: the transport floor the controller is compared against."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    stop = False
+
+    def on_term(*_: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    while not stop:
+        if sock.poll(100):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) == 2 and msgpack.unpackb(frames[1]).get("t") == "hello":
+                    sock.send_multipart(
+                        [frames[0], pack({"t": "welcome", "v": 1, "policy": "echo", "features": 0})]
+                    )
+                else:
+                    sock.send_multipart(frames)
+    sock.close(0)
+    ctx.term()
+
+
+def pct(values: list[int] | np.ndarray, q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) / 1000.0  # ns -> µs
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def bench_round_trip(
+    ctl_endpoint: str, echo_endpoint: str, n: int, block: int = 500
+) -> tuple[list[int], list[int]]:
+    """Lock-step hook -> peer -> hook round trips (ns), controller and echo interleaved in blocks."""
+    ctx = zmq.Context.instance()
+    socks = {}
+    for name, ep in (("ctl", ctl_endpoint), ("echo", echo_endpoint)):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(ep)
+        s.send(pack(Hello(f"rt-{os.getpid()}", DEPTHS).to_wire()))
+        s.recv()
+        socks[name] = s
+    steps = step_stream(f"rt-{os.getpid()}", n, seed=1)
+    times: dict[str, list[int]] = {"ctl": [], "echo": []}
+    warm = min(500, n // 10)
+    for start in range(0, n, block):
+        for name in ("ctl", "echo"):
+            s = socks[name]
+            for st in steps[start : start + block]:
+                t0 = time.perf_counter_ns()
+                s.send(pack(st.to_wire()))
+                msgpack.unpackb(s.recv())
+                times[name].append(time.perf_counter_ns() - t0)
+    for s in socks.values():
+        s.close(0)
+    return times["ctl"][warm:], times["echo"][warm:]
+
+
+def bench_throughput(endpoint: str, n_instances: int, per_instance: int, window: int) -> dict[str, float]:
+    """Pipelined load from ``n_instances`` DEALERs; checks every decision arrives, in order."""
+    ctx = zmq.Context.instance()
+    socks, frames = [], []
+    for k in range(n_instances):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.connect(endpoint)
+        name = f"tp-{k}"
+        s.send(pack(Hello(name, DEPTHS).to_wire()))
+        assert msgpack.unpackb(s.recv())["t"] == "welcome"
+        socks.append(s)
+        frames.append([pack(st.to_wire()) for st in step_stream(name, per_instance, seed=100 + k)])
+    poller = zmq.Poller()
+    for s in socks:
+        poller.register(s, zmq.POLLIN)
+    sent = [0] * n_instances
+    got = [0] * n_instances
+    bad = 0
+    index = {s: k for k, s in enumerate(socks)}
+    total = n_instances * per_instance
+    received = 0
+    t0 = time.perf_counter()
+    while received < total:
+        for k, s in enumerate(socks):
+            while sent[k] < per_instance and sent[k] - got[k] < window:
+                s.send(frames[k][sent[k]])
+                sent[k] += 1
+        for s, _ in poller.poll(5000):
+            k = index[s]
+            while True:
+                try:
+                    reply = msgpack.unpackb(s.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if reply.get("t") != "decision" or reply.get("seq") != got[k]:
+                    bad += 1
+                got[k] += 1
+                received += 1
+        if time.perf_counter() - t0 > 300:
+            break
+    elapsed = time.perf_counter() - t0
+    for s in socks:
+        s.close(0)
+    return {
+        "rate": received / elapsed,
+        "sent": float(sum(sent)),
+        "received": float(received),
+        "bad": float(bad),
+        "elapsed": elapsed,
+    }
+
+
+def bench_client(endpoint: str, n: int, gap_us: int = 1000) -> dict[str, list[int]]:
+    """Cost of send_step + poll_decision on the hook's thread, steps ``gap_us`` apart."""
+    name = f"cl-{os.getpid()}"
+    client = ControllerClient(endpoint, Hello(name, DEPTHS))
+    steps = step_stream(name, n + 200, seed=7)
+    deadline = time.monotonic() + 10
+    i = 0
+    while client.poll_decision() is None and time.monotonic() < deadline:  # connect, hello
+        client.send_step(steps[i])
+        i += 1
+        time.sleep(0.005)
+    both, send, poll = [], [], []
+    answered = 0
+    for st in steps[i : i + n]:
+        t0 = time.perf_counter_ns()
+        client.send_step(st)
+        t1 = time.perf_counter_ns()
+        depth = client.poll_decision()
+        t2 = time.perf_counter_ns()
+        both.append(t2 - t0)
+        send.append(t1 - t0)
+        poll.append(t2 - t1)
+        answered += depth is not None
+        end = time.perf_counter_ns() + gap_us * 1000
+        while time.perf_counter_ns() < end:
+            pass
+    stats = client.stats()
+    client.close()
+    if stats["dropped"] > i:
+        print(f"  note: client dropped {stats['dropped']} steps", file=sys.stderr)
+    return {"both": both, "send": send, "poll": poll, "answered": [answered]}
+
+
+def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
+    """In-process cost of the pieces of the in-controller path (µs p50, p99)."""
+    from controller.policy import make_factory
+
+    factory = make_factory(str(policy_zip))
+    policy = factory(DEPTHS)
+    feat = Featurizer(DEPTHS)
+    steps = step_stream("bd", n, seed=3)
+    frames = [pack(s.to_wire()) for s in steps]
+    parts: dict[str, list[int]] = {
+        "decode+validate": [],
+        "featurize": [],
+        "policy (MLP)": [],
+        "encode decision": [],
+    }
+    for fr in frames:
+        t0 = time.perf_counter_ns()
+        st = parse_step(unpack(fr))
+        t1 = time.perf_counter_ns()
+        obs = feat.update(st)
+        t2 = time.perf_counter_ns()
+        a = policy.act(obs, st)
+        t3 = time.perf_counter_ns()
+        msgpack.packb({"t": "decision", "v": 1, "instance": st.instance, "seq": st.seq, "depth": DEPTHS[a]})
+        t4 = time.perf_counter_ns()
+        for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            parts[key].append(dt)
+    # Reference, not what is served: the same weights with preallocated buffers (out=),
+    # to show what the MLP step could cost; skipped if the loader's internals differ.
+    mlp = getattr(policy, "_mlp", None)
+    layers = getattr(mlp, "_layers", None)
+    if layers is not None and len(layers) == 3:
+        (w1, b1), (w2, b2), (w3, b3) = layers
+        h1, h2, o = (
+            np.empty(w1.shape[1], np.float32),
+            np.empty(w2.shape[1], np.float32),
+            np.empty(w3.shape[1], np.float32),
+        )
+        ref = []
+        for st in steps:
+            x = feat.update(st)
+            t0 = time.perf_counter_ns()
+            np.dot(x, w1, out=h1)
+            np.add(h1, b1, out=h1)
+            np.tanh(h1, out=h1)
+            np.dot(h1, w2, out=h2)
+            np.add(h2, b2, out=h2)
+            np.tanh(h2, out=h2)
+            np.dot(h2, w3, out=o)
+            np.add(o, b3, out=o)
+            a = int(o.argmax())
+            ref.append(time.perf_counter_ns() - t0)
+            assert a == policy.act(x, st)
+        parts["reference: same MLP with out= buffers"] = ref
+    skip = n // 10
+    return {k: (pct(v[skip:], 50), pct(v[skip:], 99)) for k, v in parts.items()}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--policy", type=Path, help="a PPO zip to serve (default: build a 2x64 tanh one with SB3)"
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
+    ap.add_argument("--echo", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.echo:
+        echo_main(args.echo)
+        return 0
+
+    scale = 0.2 if args.quick else 1.0
+    tmp = Path(tempfile.mkdtemp(prefix="bench_service_"))
+    policy = args.policy or make_ppo_zip(tmp / "ppo.zip")
+    cores = cores_available()
+    server_core = cores[0] if len(cores) > 1 else None
+    driver_cores = set(cores[1:]) if len(cores) > 1 else set(cores)
+    pin(driver_cores)
+    load = os.getloadavg()
+    print(
+        f"# {platform.processor() or platform.machine()}, {len(cores)} cores, Python {platform.python_version()}, "
+        f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, load avg {load[0]:.2f}",
+        flush=True,
+    )
+    print(
+        f"# policy {policy}; server pinned to core {server_core}, load on cores {sorted(driver_cores)}",
+        flush=True,
+    )
+
+    rows: list[tuple[str, str, str, str]] = []
+
+    # 1 + 2: in-controller latency and the round trip against a bare echo, side by side.
+    n_rt = int(20_000 * scale)
+    ctl_ep, echo_ep = f"ipc://{tmp}/ctl.sock", f"ipc://{tmp}/echo.sock"
+    lat_log = tmp / "latency.bin"
+    server = serve(str(policy), ctl_ep, server_core, lat_log)
+    echo = Proc([sys.executable, str(Path(__file__).resolve()), "--echo", echo_ep], server_core, echo_ep)
+    try:
+        ctl_rt, echo_rt = bench_round_trip(ctl_ep, echo_ep, n_rt)
+    finally:
+        echo.stop()
+        server.stop()
+    lat = np.fromfile(lat_log, dtype=np.int64)[min(500, n_rt // 10) :]
+    p50, p99 = pct(lat, 50), pct(lat, 99)
+    rows.append(("in-controller recv->decision, PPO MLP, p50", f"{p50:.1f} µs", "≤ 20 µs", _ok(p50 <= 20)))
+    rows.append(("in-controller recv->decision, PPO MLP, p99", f"{p99:.1f} µs", "≤ 50 µs", _ok(p99 <= 50)))
+    c50, e50 = pct(ctl_rt, 50), pct(echo_rt, 50)
+    rows.append(("round trip ipc, controller p50 / p99", f"{c50:.1f} / {pct(ctl_rt, 99):.1f} µs", "", ""))
+    rows.append(
+        ("round trip ipc, bare ROUTER echo p50 / p99", f"{e50:.1f} / {pct(echo_rt, 99):.1f} µs", "", "")
+    )
+    rows.append(
+        ("round trip p50 ratio controller / echo", f"{c50 / e50:.2f}", "≤ 1.3", _ok(c50 / e50 <= 1.3))
+    )
+
+    # 3: throughput on one server core from 8 instances.
+    n_inst, per = 8, int(25_000 * scale)
+    tp_ep = f"ipc://{tmp}/tp.sock"
+    server = serve(str(policy), tp_ep, server_core)
+    try:
+        tp = bench_throughput(tp_ep, n_inst, per, window=64)
+    finally:
+        server.stop()
+    lost = tp["sent"] - tp["received"] + tp["bad"]
+    rows.append(
+        (
+            f"throughput, 1 server core, {n_inst} instances, {int(tp['sent'])} steps",
+            f"{tp['rate']:,.0f} steps/s",
+            "≥ 20,000/s",
+            _ok(tp["rate"] >= 20_000),
+        )
+    )
+    rows.append(("  decisions lost or out of order", f"{int(lost)}", "0", _ok(lost == 0)))
+
+    # 4: the client's cost on the scheduler's critical path.
+    cl_ep = f"ipc://{tmp}/cl.sock"
+    server = serve(str(policy), cl_ep, server_core)
+    try:
+        cl = bench_client(cl_ep, int(5_000 * scale))
+    finally:
+        server.stop()
+    b50, b99 = pct(cl["both"], 50), pct(cl["both"], 99)
+    rows.append(("client send_step + poll_decision, p50", f"{b50:.1f} µs", "≤ 15 µs", _ok(b50 <= 15)))
+    rows.append(("client send_step + poll_decision, p99", f"{b99:.1f} µs", "≤ 40 µs", _ok(b99 <= 40)))
+    rows.append(
+        (
+            "  send_step p50 / poll_decision p50",
+            f"{pct(cl['send'], 50):.1f} / {pct(cl['poll'], 50):.1f} µs",
+            "",
+            f"{cl['answered'][0]}/{len(cl['both'])} answered",
+        )
+    )
+
+    # Breakdown of the in-controller path, in-process.
+    for part, (q50, q99) in breakdown(Path(policy), int(10_000 * scale)).items():
+        rows.append((f"  in-process {part}, p50 / p99", f"{q50:.1f} / {q99:.1f} µs", "", ""))
+
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'benchmark':<{width}}  {'measured':>22}  {'target':>11}  result")
+    print("-" * (width + 50))
+    for name, value, target, result in rows:
+        print(f"{name:<{width}}  {value:>22}  {target:>11}  {result}")
+    return 0
+
+
+def _ok(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
