@@ -1,0 +1,168 @@
+"""Closed-loop load generator for an SGLang server: throughput, TTFT and TPOT at concurrency C.
+
+Each of ``C`` workers sends its next request as soon as the previous one finished, so about C
+requests are always in flight. Requests are token-id prompts drawn from a seeded RNG, so every
+policy sees the same prompts and greedy outputs can be compared token for token. Streaming is
+on, so the time to the first chunk is the TTFT; TPOT = (end - first chunk) / (tokens - 1).
+
+Runs under the device image's python3 (stdlib + aiohttp only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One measurement: ``n_requests`` requests at concurrency ``concurrency``."""
+
+    concurrency: int
+    n_requests: int
+    input_tokens: int = 256
+    output_tokens: int = 128
+    seed: int = 0
+
+
+@dataclass
+class RequestResult:
+    idx: int
+    ok: bool
+    error: str = ""
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    out_tokens: int = 0
+    tpot_ms: float = 0.0
+    verify_ct: int = 0
+    accept_len: float = 0.0
+    histogram: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+
+def prompts(spec: LoadSpec) -> list[list[int]]:
+    """The request prompts of ``spec``: random token ids, reproducible from ``spec.seed``."""
+    rng = random.Random(spec.seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(spec.input_tokens)] for _ in range(spec.n_requests)]
+
+
+async def _one(session: Any, url: str, idx: int, ids: list[int], out_tokens: int) -> RequestResult:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0.0, "ignore_eos": True},
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    first = 0.0
+    last: dict[str, Any] | None = None
+    try:
+        async with session.post(url + "/generate", json=body) as resp:
+            if resp.status != 200:
+                return RequestResult(idx, False, f"http {resp.status}: {(await resp.text())[:200]}")
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    line, buf = buf.split(b"\n\n", 1)
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        continue
+                    if not first:
+                        first = time.perf_counter()
+                    last = json.loads(payload)
+    except Exception as exc:  # a dropped connection is a failed request, not a crash of the bench
+        return RequestResult(idx, False, f"{type(exc).__name__}: {exc}"[:300])
+    t1 = time.perf_counter()
+    if last is None or "error" in last:
+        return RequestResult(idx, False, f"no result: {str(last)[:200]}")
+    meta = last.get("meta_info", {})
+    n = int(meta.get("completion_tokens", len(last.get("output_ids", []))))
+    ttft = (first - t0) * 1e3
+    e2e = (t1 - t0) * 1e3
+    return RequestResult(
+        idx=idx,
+        ok=n == out_tokens,
+        error="" if n == out_tokens else f"{n} of {out_tokens} tokens",
+        ttft_ms=ttft,
+        e2e_ms=e2e,
+        out_tokens=n,
+        tpot_ms=(e2e - ttft) / max(1, n - 1),
+        verify_ct=int(meta.get("spec_verify_ct", 0)),
+        accept_len=float(meta.get("spec_accept_length", 0.0)),
+        histogram=list(meta.get("spec_correct_drafts_histogram") or []),
+        output_ids=list(last.get("output_ids", [])),
+    )
+
+
+async def _run(url: str, spec: LoadSpec, timeout_s: float) -> tuple[list[RequestResult], float]:
+    import aiohttp
+
+    work = list(enumerate(prompts(spec)))
+    results: list[RequestResult] = []
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    conn = aiohttp.TCPConnector(limit=spec.concurrency + 4)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+
+        async def worker() -> None:
+            while work:
+                idx, ids = work.pop(0)
+                results.append(await _one(session, url, idx, ids, spec.output_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+        wall = time.perf_counter() - t0
+    results.sort(key=lambda r: r.idx)
+    return results, wall
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[k]
+
+
+def run_load(url: str, spec: LoadSpec, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Run ``spec`` against the server at ``url``; returns a summary and the per-request rows.
+
+    Returns:
+        dict with ``throughput_tok_s`` (output tokens / wall time), ``tpot_mean_ms``,
+        ``tpot_p99_ms``, ``ttft_mean_ms``, ``accept_len_mean`` (tokens per verify, bonus
+        included), ``failed`` (requests that errored or came back short), ``wall_s`` and
+        ``requests`` (per-request dicts, output ids included).
+    """
+    results, wall = asyncio.run(_run(url, spec, timeout_s))
+    ok = [r for r in results if r.ok]
+    tpots = [r.tpot_ms for r in ok]
+    verify = sum(r.verify_ct for r in ok)
+    hist: list[int] = []
+    for r in ok:
+        for i, c in enumerate(r.histogram):
+            if i >= len(hist):
+                hist.extend([0] * (i + 1 - len(hist)))
+            hist[i] += c
+    return {
+        **asdict(spec),
+        "throughput_tok_s": sum(r.out_tokens for r in results) / wall if wall > 0 else 0.0,
+        "tpot_mean_ms": statistics.fmean(tpots) if tpots else float("nan"),
+        "tpot_p50_ms": _pct(tpots, 0.5),
+        "tpot_p99_ms": _pct(tpots, 0.99),
+        "ttft_mean_ms": statistics.fmean([r.ttft_ms for r in ok]) if ok else float("nan"),
+        "accept_len_mean": (sum(r.out_tokens for r in ok) / verify) if verify else 0.0,
+        "accepted_drafts_histogram": hist,
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "wall_s": wall,
+        "requests": [asdict(r) for r in results],
+    }
