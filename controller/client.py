@@ -19,6 +19,7 @@ must not be shared between threads either.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -81,6 +82,9 @@ class ControllerClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # A stable routing id across reconnects: the controller keeps this socket's session
+        # when it repeats its hello, and tells a restarted hook (a new id) from this one.
+        sock.setsockopt(zmq.ROUTING_ID, b"hook-" + os.urandom(8))
         try:
             if curve_server_key is not None:
                 public, secret = zmq.curve_keypair()

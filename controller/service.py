@@ -12,8 +12,10 @@ frame gets the documented ``error`` reply (:mod:`controller.protocol`) and a cou
 are kept (the least recently active one is evicted for a new ``hello``; its hook simply gets
 ``unknown_instance`` and says ``hello`` again).
 
-Sessions: a ``hello`` (re)starts its instance's session — a fresh Featurizer and policy state,
-``seq`` may start over — and is answered by ``welcome``. The recording of an instance goes
+Sessions: every ``hello`` is answered by ``welcome``. A ``hello`` from a new socket (a
+restarted hook: ZeroMQ routing id) or with other depths starts a fresh session — new
+Featurizer and policy state, ``seq`` may start over; the same socket repeating the same
+``hello`` (the client does so when decisions stopped for ``stale_ms``) keeps the session. The recording of an instance goes
 to one file per session of the server process (a re-``hello`` continues the same file).
 
 Recording flush policy: records are handed to the OS whenever the socket has been drained,
@@ -170,7 +172,7 @@ def _check_ipc(path: str, endpoint: str) -> None:
 class _Session:
     """One instance's live state."""
 
-    __slots__ = ("instance", "depths", "featurizer", "policy", "last_seq", "writer", "active")
+    __slots__ = ("instance", "depths", "featurizer", "policy", "last_seq", "writer", "active", "ident")
 
     def __init__(
         self, instance: str, depths: tuple[int, ...], policy: Policy, writer: TraceWriter | None
@@ -182,6 +184,7 @@ class _Session:
         self.last_seq: int | None = None
         self.writer = writer
         self.active = 0
+        self.ident = b""  # ZeroMQ routing id of the socket that said hello
 
 
 class Server:
@@ -325,7 +328,7 @@ class Server:
                 f"policy {self.factory.name} answered action {action} for {len(depths)} depths"
             )
         depth = depths[action]
-        payload = msgpack.packb(
+        payload = _pack(
             {
                 "t": "decision",
                 "v": PROTOCOL_VERSION,
@@ -368,17 +371,30 @@ class Server:
                 self._evict()
             session = _Session(hello.instance, hello.depths, policy, self._open_writer(hello.instance))
             self._sessions[hello.instance] = session
-        else:  # a re-hello restarts the session: new hook process, or it lost us
+            log.info(
+                "hello from %r: depths %s, engine %r, tp %d",
+                hello.instance,
+                list(hello.depths),
+                hello.engine,
+                hello.tp,
+            )
+        elif session.ident == ident and session.depths == hello.depths:
+            # The same hook socket repeating itself (it thought it lost us): keep what the
+            # Featurizer and policy learned, and its seq.
+            pass
+        else:  # another socket (a restarted hook) or other depths: a fresh session
             session.depths = hello.depths
             session.featurizer = Featurizer(hello.depths)
             session.policy = policy
             session.last_seq = None
-        policy.reset()
+            policy.reset()
+            log.info("hello again from %r: session restarted, depths %s", hello.instance, list(hello.depths))
+        session.ident = ident
         self._tick += 1
         session.active = self._tick
         self._send(
             ident,
-            msgpack.packb(
+            _pack(
                 {
                     "t": "welcome",
                     "v": PROTOCOL_VERSION,
@@ -396,13 +412,6 @@ class Server:
                 self._drop_writer(session, exc)
             else:
                 self._dirty.add(session.writer)
-        log.info(
-            "hello from %r: depths %s, engine %r, tp %d",
-            hello.instance,
-            list(hello.depths),
-            hello.engine,
-            hello.tp,
-        )
 
     def _send(self, ident: bytes, payload: bytes) -> None:
         sock = self._sock

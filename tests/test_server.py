@@ -285,14 +285,28 @@ def test_every_bad_input_gets_its_error_code_and_a_count(inproc_server: tuple[Se
     assert server.stats.steps == 2
 
 
-def test_unknown_keys_are_ignored_and_hello_restarts_the_session(inproc_server: tuple[Server, Peer]) -> None:
+def test_unknown_keys_are_ignored_and_when_hello_restarts_a_session(
+    inproc_server: tuple[Server, Peer],
+) -> None:
     server, peer = inproc_server
     welcome = peer.ask({**Hello("a", DEPTHS).to_wire(), "future": [1, {"x": 2}]})
     assert welcome == {"t": "welcome", "v": 1, "policy": "static:2", "features": FEATURIZER_VERSION}
     assert peer.ask({**step_wire("a", 5), "extra": "ok"})["t"] == "decision"
     assert peer.ask(step_wire("a", 5))["code"] == "stale_seq"
+    # The same socket repeating its hello keeps the session (seq must still increase).
     assert peer.ask(Hello("a", DEPTHS).to_wire())["t"] == "welcome"
-    assert peer.ask(step_wire("a", 0))["seq"] == 0  # a new session may start its seq over
+    assert peer.ask(step_wire("a", 5))["code"] == "stale_seq"
+    assert server._sessions["a"].featurizer.steps == 1
+    # Other depths, or another socket (a restarted hook), start a fresh session.
+    assert peer.ask(Hello("a", DEPTHS[:-1]).to_wire())["t"] == "welcome"
+    assert peer.ask(step_wire("a", 0))["seq"] == 0
+    other = Peer("inproc://svc", peer.sock.context)
+    try:
+        assert other.ask(Hello("a", DEPTHS[:-1]).to_wire())["t"] == "welcome"
+        assert other.ask(step_wire("a", 0))["seq"] == 0
+        assert server._sessions["a"].featurizer.steps == 1
+    finally:
+        other.close()
 
 
 def test_sessions_are_capped_least_recently_active_evicted(tmp_path: Path) -> None:
@@ -655,3 +669,83 @@ def test_latency_log_has_one_entry_per_decision(workdir: Path) -> None:
     assert server.stop() == 0
     lat = np.fromfile(log_path, dtype=np.int64)
     assert len(lat) == 25 and (lat > 0).all() and (lat < 10**9).all()
+
+
+# --------------------------------------------------------------------------- a real PPO zip
+
+
+def make_ppo_zip(path: Path, depths: tuple[int, ...] = DEPTHS, seed: int = 0) -> Path:
+    """An SB3 PPO zip (2x64 tanh) for the Featurizer's spaces, weights spread so inputs matter."""
+    gym = pytest.importorskip("gymnasium")
+    torch = pytest.importorskip("torch")
+    sb3 = pytest.importorskip("stable_baselines3")
+    from controller.ppo_policy import meta_for, write_metadata
+
+    obs_dim = Featurizer(depths).obs_dim
+
+    class SpacesOnly(gym.Env):  # type: ignore[misc]
+        observation_space = gym.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
+        action_space = gym.spaces.Discrete(len(depths))
+
+        def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+            super().reset(seed=seed)
+            return np.zeros(obs_dim, np.float32), {}
+
+        def step(self, action: Any) -> Any:
+            return np.zeros(obs_dim, np.float32), 0.0, False, False, {}
+
+    model = sb3.PPO(
+        "MlpPolicy", SpacesOnly(), policy_kwargs={"net_arch": [64, 64]}, n_steps=64, seed=seed, device="cpu"
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.policy.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
+    model.save(path)
+    write_metadata(path, meta_for(depths, (64, 64), "tanh"))
+    return path
+
+
+@pytest.mark.slow
+def test_serving_a_ppo_zip_end_to_end(workdir: Path) -> None:
+    zip_path = make_ppo_zip(workdir / "ppo.zip")
+    endpoint = ipc(workdir)
+    server = ServerProcess(endpoint, str(zip_path), log=workdir / "server.log")
+    peer = Peer(endpoint)
+    try:
+        welcome = peer.ask(Hello("p", DEPTHS).to_wire())
+        assert welcome["policy"] == "ppo:ppo.zip"
+        expected = expected_decisions(str(zip_path), "p", 300, seed=3)
+        assert len(set(expected)) > 1  # the policy really depends on its input
+        loop = ClosedLoop("p", seed=3)
+        got = []
+        for _ in range(300):
+            reply = peer.ask(loop.next_step())
+            got.append(reply["depth"])
+            loop.apply(reply["depth"])
+        assert got == expected
+        # A replica allowing other depths than the zip was trained for is refused, saying why.
+        reply = peer.ask(Hello("q", (0, 1, 2)).to_wire())
+        assert reply["t"] == "error" and reply["code"] == "bad_field"
+        assert "[0, 1, 2]" in reply["msg"] and "[0, 1, 2, 3, 4, 5]" in reply["msg"], reply["msg"]
+    finally:
+        peer.close()
+        assert server.stop() == 0
+
+
+def test_service_and_client_import_no_heavy_modules() -> None:
+    code = (
+        "import sys; before = set(sys.modules); import controller.service, controller.client; "
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}; print(sorted(new))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert not {"torch", "stable_baselines3", "gymnasium", "pandas", "prometheus_client"} & set(eval(out)), (
+        out
+    )
+    code = (
+        "import sys; before = set(sys.modules); import controller.client; "
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
+        "print(sorted(m for m in new if m not in sys.stdlib_module_names and not m.startswith('_')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert set(eval(out)) <= {"controller", "msgpack", "zmq", "cython_runtime"}, out
