@@ -204,7 +204,7 @@ class ControllerClient:
         try:
             # EVENTS instead of recv-until-EAGAIN: pyzmq's Again exception costs several µs.
             for _ in range(_MAX_DRAIN):
-                if not sock.getsockopt(_EVENTS) & _POLLIN:
+                if not sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]  # EVENTS is an int
                     break
                 self._handle(sock.recv(_NOBLOCK))
         except zmq.ZMQError:  # the socket became unusable: behave as if nothing came

@@ -275,7 +275,7 @@ class Server:
         getsockopt, recv = sock.getsockopt, sock.recv
         n = 0
         # EVENTS instead of recv-until-EAGAIN: pyzmq's Again exception costs several µs.
-        while n < limit and getsockopt(_EVENTS) & _POLLIN:
+        while n < limit and getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]  # EVENTS is an int
             ident = recv(_NOBLOCK)
             body = recv(_NOBLOCK)  # a ROUTER message is atomic: identity, then ≥ 1 frame
             extra = 0
