@@ -569,7 +569,11 @@ def main() -> int:
     parser.add_argument("--drafts", default="same,rand,noisy")
     parser.add_argument("--levels", default="same=draft_same,rand=draft_rand,noisy=draft_noisy")
     parser.add_argument("--policies", default="", help="extra policies, comma list of NAME=SPEC")
+    parser.add_argument("--collect", action="store_true", help="only pack what a warm machine kept")
     args = parser.parse_args()
+
+    if args.collect:
+        return collect(args.out)
 
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = T0 + args.deadline_s
@@ -599,6 +603,23 @@ def main() -> int:
         res.event("done")
         res.flush()
         print_table(res)
+    return 0
+
+
+def collect(out: Path) -> int:
+    """Pack the results an earlier call left on this (warm) machine into ``out``; print them."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not RES.is_dir():
+        print(f"nothing kept: {RES} does not exist (a fresh machine)")
+        return 1
+    with tarfile.open(out / "res.tar.gz", "w:gz") as tar:
+        tar.add(RES, arcname="res")
+    for summary in sorted(RES.glob("**/summary.json")):
+        print(f"== {summary}")
+        data = json.loads(summary.read_text())
+        fake = Results.__new__(Results)
+        fake.data = data
+        print_table(fake)
     return 0
 
 
