@@ -92,3 +92,24 @@ def _eval(args: argparse.Namespace) -> int:
     report = evaluate(cfg)
     print(f"wrote {report}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m agents.cli train|eval ...``: the same as ``controller train|eval`` without the
+    service's dependencies (pyzmq), for machines that only train and evaluate."""
+    import sys
+
+    from controller.errors import ControllerError
+
+    parser = argparse.ArgumentParser(prog="controller")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ControllerError as exc:
+        print(f"controller {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -287,9 +287,12 @@ def _policy_list(cfg: EvalConfig, depths: tuple[int, ...]) -> list[tuple[str, st
     else:
         names = [n.strip() for n in cfg.baselines.split(",") if n.strip()]
     out += [(n, n) for n in names]
+    first_zip = True
     for spec in cfg.policies:
         if spec.endswith(".zip"):
-            name = "ppo" if sum(p.endswith(".zip") for p in cfg.policies) == 1 else f"ppo:{Path(spec).stem}"
+            # The first zip is "the" learned policy the targets are checked for.
+            name = "ppo" if first_zip else f"ppo:{Path(spec).stem}"
+            first_zip = False
             out.append((name, str(Path(spec).resolve())))
         else:
             out.append((spec.removeprefix("builtin:"), spec))
