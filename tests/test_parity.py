@@ -162,12 +162,16 @@ def test_serve_and_simulator_pick_the_same_actions(server, tmp_path, which):
         policies = [which]
     for policy in policies:
         proc, endpoint = server(policy)
-        for i, (workload, delay) in enumerate([("phase:2:closed:12", 1), ("burst:2,30,2,0.3", 2)]):
+        used: set[int] = set()
+        for i, (workload, delay) in enumerate(
+            [("phase:2:closed:12", 1), ("burst:2,30,2,0.3", 2), ("closed:120", 1)]
+        ):
             log = _sim_log(policy, workload, seed=i, delay=delay)
-            assert len(log) > 200
+            assert len(log) > 100
             expected = [DEPTHS[a] for _, a in log]
             got = _replay(endpoint, proc, log, instance=f"sim-{i}")
             mismatches = [k for k, (a, b) in enumerate(zip(expected, got)) if a != b]
             assert not mismatches, f"{policy} on {workload}: first mismatch at step {mismatches[0]}"
-            if which == "ppo":
-                assert len(set(expected)) > 1, "the test policy should use several depths"
+            used |= set(expected)
+        if which == "ppo":
+            assert len(used) > 1, f"{policy} should use several depths on these workloads"
