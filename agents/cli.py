@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--n-envs", type=int, default=None, help="parallel simulator copies (in-process)")
     t.add_argument("--depths", default=None, help="allowed depths, e.g. 0,1,2,3,5")
+    t.add_argument("--warm-start-rounds", type=int, default=None, help="DAgger rounds before PPO (0 = none)")
+    t.add_argument("--reward", choices=("regret", "extra-tokens"), default=None, help="training reward")
+    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0 for the regret reward)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train)
 

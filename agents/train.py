@@ -78,6 +78,8 @@ class TrainConfig:
         bc_states: states collected per round.
         bc_epochs: passes over the aggregated states per round.
         save_warm_start: also save the policy before PPO as ``warmstart.zip`` (ablation).
+        reward: ``"regret"`` (module docstring) or ``"extra-tokens"`` (SpecDecode-v0's own:
+            tokens over what no speculation would have emitted in the same time; ablation).
         progress: show a progress bar.
     """
 
@@ -106,6 +108,7 @@ class TrainConfig:
     bc_states: int = 40_000
     bc_epochs: int = 20
     save_warm_start: bool = True
+    reward: str = "regret"
     progress: bool = True
 
     @classmethod
@@ -121,6 +124,10 @@ class TrainConfig:
         )
         if depths is not None:
             cfg = replace(cfg, depths=depths)
+        for flag, name in (("warm_start_rounds", "bc_rounds"), ("gamma", "gamma"), ("reward", "reward")):
+            value = getattr(args, flag, None)
+            if value is not None:
+                cfg = replace(cfg, **{name: value})
         if args.timesteps is not None:
             cfg = replace(cfg, timesteps=args.timesteps)
         if args.n_envs is not None:
@@ -226,8 +233,9 @@ def _make_env_class():
         stands when the decision is made (see module docstring). ``info["rates"]`` holds the
         rate vector the reward came from."""
 
-        def __init__(self, env: gym.Env) -> None:
+        def __init__(self, env: gym.Env, use_env_reward: bool = False) -> None:
             super().__init__(env)
+            self.use_env_reward = use_env_reward
             self.depths = env.unwrapped.depths
             self._rates = np.ones(len(self.depths))
 
@@ -241,7 +249,9 @@ def _make_env_class():
             rates = self._rates
             best = rates.max()
             reward = float(rates[int(action)] / best) if best > 0 else 1.0
-            obs, _, terminated, truncated, info = self.env.step(action)
+            obs, env_reward, terminated, truncated, info = self.env.step(action)
+            if self.use_env_reward:
+                reward = float(env_reward)
             self._rates = _rates(self.env.unwrapped.engine, self.depths)
             info["rates"] = self._rates
             return obs, reward, terminated, truncated, info
@@ -261,7 +271,9 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig):
         randomize=cfg.randomize,
         episode_steps=cfg.episode_steps,
     )
-    return _make_env_class()(env)
+    if cfg.reward not in ("regret", "extra-tokens"):
+        raise ConfigError(f"reward must be 'regret' or 'extra-tokens', got {cfg.reward!r}")
+    return _make_env_class()(env, use_env_reward=cfg.reward == "extra-tokens")
 
 
 # --------------------------------------------------------------------------- warm start
@@ -425,7 +437,7 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         "timesteps": cfg.timesteps,
         "sim": params.name,
         "source": source,
-        "reward": "expected rate / oracle's best expected rate",
+        "reward": cfg.reward,
         "warm_start_rounds": cfg.bc_rounds,
     }
     meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra)
@@ -480,8 +492,12 @@ def _report(
         f"action delay {cfg.delay[0]}–{cfg.delay[1]} steps",
         f"- wall time {wall:.0f} s (warm start {t_bc:.0f} s, PPO {wall - t_bc:.0f} s for {cfg.timesteps} steps)",
         "",
-        "Reward: expected tokens/s of the chosen depth ÷ the best depth's, for the batch at decision time "
-        "(1.0 = the clairvoyant oracle's choice).",
+        (
+            "Reward: expected tokens/s of the chosen depth ÷ the best depth's, for the batch at decision time "
+            "(1.0 = the clairvoyant oracle's choice)."
+            if cfg.reward == "regret"
+            else "Reward: SpecDecode-v0's extra tokens over no speculation in the same time (/32)."
+        ),
         "",
     ]
     if bc:
