@@ -248,7 +248,8 @@ class GoodputPolicy:
     one (``controller serve`` with no sim), from the Featurizer's measured latency table
     (``lat_ratio_k``), probing, every ``probe_every`` steps, a depth whose cost in this
     batch-size bucket is unknown or stale, so the table fills in. After ``probe_zero_every``
-    steps at depth 0 (where acceptance goes unobserved) it drafts once to re-measure it.
+    steps at depth 0 (where acceptance goes unobserved) it drafts once to re-measure it, with
+    the interval doubling while depth 0 stays best.
 
     Args:
         name: policy name.
@@ -280,6 +281,7 @@ class GoodputPolicy:
     def reset(self) -> None:
         self._t = 0
         self._zero_run = 0
+        self._probe_gap = self.probe_zero_every
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, action) -> last step measured
 
     def expected_tokens(self, obs: np.ndarray) -> list[float]:
@@ -303,9 +305,14 @@ class GoodputPolicy:
             best = int(np.argmax(rates))
             # Without drafting, acceptance is not observed and its estimate freezes; a batch
             # whose requests changed would stay at depth 0 for ever. Probe the best positive
-            # depth for one step every probe_zero_every steps spent at depth 0.
-            if self.depths[best] == 0 and len(self.depths) > 1 and self._zero_run >= self.probe_zero_every:
+            # depth for one step after `_probe_gap` steps at depth 0; the gap doubles (up to
+            # 32×) while probes keep confirming depth 0, so a deployment where speculation
+            # never pays spends almost nothing on probes, and resets once drafting wins.
+            if self.depths[best] != 0:
+                self._probe_gap = self.probe_zero_every
+            elif len(self.depths) > 1 and self._zero_run >= self._probe_gap:
                 self._zero_run = 0
+                self._probe_gap = min(2 * self._probe_gap, 32 * self.probe_zero_every)
                 return 1 + int(np.argmax(rates[1:]))
             return best
         # Measured-table mode: the observation's goodput_k is log(tokens/s at k ÷ at depth 0)
