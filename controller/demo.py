@@ -27,7 +27,7 @@ from pathlib import Path
 
 from controller.errors import ConfigError
 
-BUNDLED_POLICY = Path(__file__).resolve().parent.parent / "agents" / "bundled" / "ppo.zip"
+BUNDLED = Path(__file__).resolve().parent.parent / "agents" / "bundled"
 DEPTHS = (0, 1, 2, 3, 5)
 
 
@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--policy",
         default=None,
-        help=f"policy to serve: a PPO zip or builtin:NAME (default: the bundled {BUNDLED_POLICY.name})",
+        help="policy to serve: a PPO zip or builtin:NAME (default: the bundled agents/bundled/DEPLOYMENT/ppo.zip)",
     )
     p.add_argument(
         "--deployment", default="h200-llama8b", help="bundled simulated deployment (default: %(default)s)"
@@ -73,7 +73,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from env.engine import Engine
     from env.runner import simulate
 
-    spec = args.policy or (str(BUNDLED_POLICY) if BUNDLED_POLICY.exists() else "builtin:goodput")
+    bundled = BUNDLED / args.deployment / "ppo.zip"
+    spec = args.policy or str(bundled)
     factory = make_factory(spec, DEPTHS)  # fail here, with the CLI's one-line error, not in the server
     params = load_deployment(args.deployment)
     record_dir = Path(args.record)
