@@ -56,6 +56,9 @@ class HookRuntime:
         )
         self.sync = TpSync(self.state, fallback_desc=fallback)
         self.client: Any = None
+        self._decisions_seen = 0
+        self._unanswered_since_ns: int | None = None
+        self._stale_ns = int(config.stale_ms * 1e6)
         self._client_failed = False
         self.instance = ""
         self.hello_depths: tuple[int, ...] = ()
@@ -120,8 +123,25 @@ class HookRuntime:
     def offer(self, server_args: Any) -> DepthSync | None:
         """Entry rank, top of each scheduler iteration: poll (non-blocking) and maybe emit a marker."""
         client = self._ensure_client(server_args)
-        desired = client.poll_decision() if client is not None else None
-        return self.sync.offer(desired)
+        return self.sync.offer(None if client is None else self._fresh_depth(client))
+
+    def _fresh_depth(self, client: Any) -> int | None:
+        """The newest decision, unless steps have gone unanswered for ``stale_ms``.
+
+        Staleness runs only while steps are outstanding: decisions answer steps, so an idle
+        server (no steps) keeps its last decision instead of flapping to the fallback, while a
+        dead or stuck controller is noticed ``stale_ms`` after the first unanswered step.
+        """
+        client.poll_decision()  # drains every pending reply; the newest valid decision wins
+        seen = client.counters["decisions"]
+        if seen != self._decisions_seen:
+            self._decisions_seen = seen
+            self._unanswered_since_ns = None
+        depth = client.depth
+        since = self._unanswered_since_ns
+        if depth is None or (since is not None and time.monotonic_ns() - since > self._stale_ns):
+            return None
+        return int(depth)
 
     # ------------------------------------------------------------------ entry rank: telemetry
 
@@ -186,7 +206,13 @@ class HookRuntime:
             ts_ns=now_ns,
         )
         self.prefill_tokens = 0
+        self.send(client, step)
+
+    def send(self, client: Any, step: Step) -> None:
+        """Send one record (never blocks); staleness starts counting at the first unanswered one."""
         client.send_step(step)
+        if self._unanswered_since_ns is None:
+            self._unanswered_since_ns = step.ts_ns
 
     def on_idle(self) -> None:
         self.prev_decode_ns = None

@@ -246,3 +246,59 @@ def test_tp_broadcast_applies_the_same_depth_on_every_rank_at_the_same_step(tmp_
         if want is not None and want in DEPTHS:
             assert got == want, f"step {step}: decision {want}, applied {got}"
     assert runs[0]["invalid"] == script.count(4)
+
+
+def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
+    """Real client, real controller service: idle keeps the decision, a dead controller does not."""
+    import threading
+    import time
+
+    from controller.protocol import Step
+    from controller.service import ServeConfig, Server
+
+    endpoint = f"ipc://{tmp_path}/ctl.sock"
+
+    def serve() -> tuple[Server, threading.Thread]:
+        server = Server(ServeConfig(policy="builtin:static:2", bind=endpoint))
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        return server, thread
+
+    rt = plugin.HookRuntime(HookConfig(endpoint=endpoint, stale_ms=200.0), compat.Ranks())
+    rt.state.valid = frozenset(DEPTHS)  # as if SGLang built runtime states for DEPTHS
+    seq = 0
+
+    def step_until(want: int | None, timeout_s: float = 5.0) -> int | None:
+        nonlocal seq
+        deadline = time.monotonic() + timeout_s
+        got = rt._fresh_depth(rt.client)
+        while got != want and time.monotonic() < deadline:
+            seq += 1
+            step = Step(rt.instance, seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns())
+            rt.send(rt.client, step)
+            time.sleep(0.01)
+            got = rt._fresh_depth(rt.client)
+        return got
+
+    server, thread = serve()
+    try:
+        assert rt._ensure_client(RECEIVER.server_args) is not None
+        assert rt.hello_depths == DEPTHS
+        assert step_until(2) == 2
+        time.sleep(0.5)  # idle for longer than stale_ms: no steps, nothing to answer
+        assert rt._fresh_depth(rt.client) == 2
+    finally:
+        server.stop()
+        thread.join(5)
+    # Controller gone: the next steps go unanswered and the decision turns stale.
+    t0 = time.monotonic()
+    assert step_until(None) is None
+    assert 0.15 <= time.monotonic() - t0 < 2.0
+    server, thread = serve()  # restarted: the client says hello again and decisions resume
+    try:
+        assert step_until(2) == 2
+        assert rt.client.counters["hellos"] >= 2
+    finally:
+        rt.client.close()
+        server.stop()
+        thread.join(5)
