@@ -441,8 +441,10 @@ def policy_runs(
                 ctl.stop()
                 continue
         mark = len(server.grep(""))
-        # One short request so that the hook has said hello and decisions flow before timing.
-        run_load(server.url, LoadSpec(1, 1, 64, 16, seed=999))
+        if ctl is not None:
+            wait_flowing(server, ctl)
+        else:
+            run_load(server.url, LoadSpec(1, 1, 64, 16, seed=999))
         measure(res, server, name, loads(seed=100), deadline)
         if ctl is not None:
             ctl.stop()
@@ -458,13 +460,28 @@ def policy_runs(
         )
 
 
+def wait_flowing(server: Server, ctl: Controller, timeout_s: float = 20.0) -> None:
+    """Send short requests until the controller has the hook's hello, then one more.
+
+    A restarted controller does not know the instance: the hook's next step gets
+    ``unknown_instance`` and re-sends hello, which takes a few hundred ms; steps before that run
+    at the fallback depth and must not be timed as the policy's.
+    """
+    end = time.time() + timeout_s
+    while time.time() < end:
+        run_load(server.url, LoadSpec(1, 1, 64, 32, seed=999))
+        if "hello from" in ctl.log_path.read_text(errors="replace"):
+            break
+    run_load(server.url, LoadSpec(1, 1, 64, 32, seed=998))
+
+
 def kill9_test(res: Results, server: Server, level: str, policy: str) -> None:
     """kill -9 the controller mid-run: no request may fail, the fallback must show in the log."""
     ctl = Controller(policy, BIND, RES / "traces" / level / "kill9", f"{level}_kill9")
     if not ctl.start():
         res.event("kill9_controller_failed", tail=ctl.log_path.read_text()[-2000:])
         return
-    run_load(server.url, LoadSpec(1, 1, 64, 16, seed=999))
+    wait_flowing(server, ctl)
     mark = len(server.grep(""))
     box: dict[str, Any] = {}
     spec = LoadSpec(16, 96, 256, 256, seed=777)
@@ -544,7 +561,11 @@ def level_run(
 
 
 def full(
-    res: Results, deadline: float, policies: list[tuple[str, str]], levels: list[tuple[str, str]]
+    res: Results,
+    deadline: float,
+    policies: list[tuple[str, str]],
+    levels: list[tuple[str, str]],
+    no_kill9: bool = False,
 ) -> None:
     for i, (level, draft) in enumerate(levels):
         kill9_done = bool((res.data.get("previous") or {}).get("kill9"))
@@ -554,7 +575,15 @@ def full(
         if time.time() > deadline - 60:
             res.event("skipped_level", level=level)
             continue
-        ok = level_run(res, level, draft, policies, deadline, 30000 + i, kill9=(i == 0 and not kill9_done))
+        ok = level_run(
+            res,
+            level,
+            draft,
+            policies,
+            deadline,
+            30000 + i,
+            kill9=(i == 0 and not kill9_done and not no_kill9),
+        )
         if not ok and i == 0:
             # Tell graphs apart from the rest: the same server without CUDA graphs, hook proof only.
             spec = hook_server(level + "_nograph", draft, cuda_graph=False)
@@ -570,6 +599,7 @@ def main() -> int:
     parser.add_argument("--levels", default="same=draft_same,rand=draft_rand,noisy=draft_noisy")
     parser.add_argument("--policies", default="", help="extra policies, comma list of NAME=SPEC")
     parser.add_argument("--collect", action="store_true", help="only pack what a warm machine kept")
+    parser.add_argument("--no-kill9", action="store_true", help="skip the kill -9 test")
     args = parser.parse_args()
 
     if args.collect:
@@ -591,14 +621,12 @@ def main() -> int:
         importer.join()
         res.flush()
         if built and res.data.get("imports_ok"):
-            policies = [(f"static:{d}", f"builtin:static:{d}") for d in DEPTHS] + [
-                ("sglang-adaptive", "sglang")
-            ]
-            for item in filter(None, args.policies.split(",")):
-                name, _, spec = item.partition("=")
-                policies.append((name, spec))
+            # Extra policies (the controller's PPO zip) first: they matter most if time runs out.
+            policies = [tuple(x.split("=", 1)) for x in filter(None, args.policies.split(","))]
+            policies += [(f"static:{d}", f"builtin:static:{d}") for d in DEPTHS]
+            policies.append(("sglang-adaptive", "sglang"))
             levels = [tuple(x.split("=", 1)) for x in args.levels.split(",")]
-            full(res, deadline, policies, levels)  # type: ignore[arg-type]
+            full(res, deadline, policies, levels, no_kill9=args.no_kill9)  # type: ignore[arg-type]
     finally:
         res.event("done")
         res.flush()
