@@ -8,7 +8,8 @@ Per message, in this order (the hook is waiting on the first half):
 
 Bad input never stops the server and never touches another instance's state: every refused
 frame gets the documented ``error`` reply (:mod:`controller.protocol`) and a count in
-``specdepth_errors_total{code}``. Memory stays bounded: at most ``max_instances`` sessions
+``specdepth_errors_total{code}``; a frame over 64 KiB gets ``too_large``, and a peer that sends
+a message over 1 MiB is disconnected by ZeroMQ itself (``MAXMSGSIZE``) before it is buffered. Memory stays bounded: at most ``max_instances`` sessions
 are kept (the least recently active one is evicted for a new ``hello``; its hook simply gets
 ``unknown_instance`` and says ``hello`` again).
 

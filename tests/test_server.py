@@ -749,3 +749,20 @@ def test_service_and_client_import_no_heavy_modules() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert set(eval(out)) <= {"controller", "msgpack", "zmq", "cython_runtime"}, out
+
+
+def test_a_message_over_1_mib_disconnects_only_its_sender(workdir: Path) -> None:
+    endpoint = ipc(workdir)
+    server = ServerProcess(endpoint, "builtin:static:2")
+    good, bad = Peer(endpoint), Peer(endpoint)
+    try:
+        assert good.ask(Hello("g", DEPTHS).to_wire())["t"] == "welcome"
+        bad.send(b"\x92" + b"x" * (2 << 20))
+        assert not bad.sock.poll(500)  # no reply: ZeroMQ dropped the connection (MAXMSGSIZE)
+        for seq in range(5):
+            assert good.ask(step_wire("g", seq))["depth"] == 2
+        assert server.proc.poll() is None
+    finally:
+        good.close()
+        bad.close()
+        assert server.stop() == 0
