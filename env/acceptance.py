@@ -103,12 +103,23 @@ def marginal_conditionals(ap: AcceptanceParams, k: int = 3) -> np.ndarray:
     return (wu @ (reach * p)) / (wu @ reach)
 
 
-def accept_length_pmf(ap: AcceptanceParams, depth: int, shift: float = 0.0) -> np.ndarray:
-    """P(accept = a), a = 0..depth, for a request drawn from the population."""
+def accept_length_pmf(
+    ap: AcceptanceParams, depth: int, shift: float = 0.0, step_weighted: bool = False
+) -> np.ndarray:
+    """P(accept = a), a = 0..depth, for a request drawn from the population.
+
+    ``step_weighted``: the distribution of *recorded entries* rather than of requests. A
+    request stays in the batch for ``output/E_r`` steps, so entries over-represent poorly
+    accepting requests by a factor ∝ 1/E_r; traces record entries.
+    """
     x, w = _gh()
     u = np.concatenate([ap.sigma * x + shift, [ap.zero_logit]])
     wu = np.concatenate([w * (1.0 - ap.p_zero), [ap.p_zero]])
-    return wu @ _pmf_given_u(ap.base_logits(depth), u)
+    pmf_u = _pmf_given_u(ap.base_logits(depth), u)
+    if step_weighted:
+        wu = wu / (1.0 + pmf_u @ np.arange(depth + 1))
+        wu = wu / wu.sum()
+    return wu @ pmf_u
 
 
 def _pmf_given_u(base: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -143,7 +154,7 @@ def harmonic_accept_length(ap: AcceptanceParams, depth: int, shift: float = 0.0)
 
 
 def fit_acceptance(
-    counts: dict[int, np.ndarray], base: AcceptanceParams | None = None
+    counts: dict[int, np.ndarray], base: AcceptanceParams | None = None, step_weighted: bool = False
 ) -> tuple[AcceptanceParams, dict[str, float]]:
     """Maximum-likelihood ``alpha``, ``beta``, ``sigma`` from accept-length histograms.
 
@@ -151,6 +162,9 @@ def fit_acceptance(
         counts: depth → array of length depth + 1 with the number of entries that accepted
             0..depth drafts.
         base: parameters kept for what the histograms cannot identify (drift, staleness).
+        step_weighted: the counts are entries of step records (each request contributes one
+            entry per step it ran, ∝ 1/E_r), not one draw per request; see
+            :func:`accept_length_pmf`.
 
     Returns:
         The fitted params (``rel_se`` from the observed information) and a report with the
@@ -177,7 +191,12 @@ def fit_acceptance(
         wu = np.concatenate([w * (1.0 - ap.p_zero), [ap.p_zero]])
         total = 0.0
         for d, c in items:
-            pmf = wu @ _pmf_given_u(ap.base_logits(d), u)
+            pmf_u = _pmf_given_u(ap.base_logits(d), u)
+            if step_weighted:
+                wd = wu / (1.0 + pmf_u @ np.arange(d + 1))
+                pmf = (wd / wd.sum()) @ pmf_u
+            else:
+                pmf = wu @ pmf_u
             total -= float(c @ np.log(np.maximum(pmf, 1e-300)))
         return total / n_total
 
@@ -206,7 +225,7 @@ def fit_acceptance(
     report: dict[str, float] = {"entries": n_total}
     tvs = []
     for d, c in items:
-        tv = 0.5 * float(np.abs(accept_length_pmf(ap, d) - c / c.sum()).sum())
+        tv = 0.5 * float(np.abs(accept_length_pmf(ap, d, step_weighted=step_weighted) - c / c.sum()).sum())
         report[f"tv_depth{d}"] = tv
         tvs.append(tv)
     report["tv_mean"] = float(np.mean(tvs))

@@ -29,7 +29,7 @@ import numpy as np
 from controller.errors import FitError, TraceError
 from controller.protocol import Step
 from env.acceptance import AcceptanceParams, accept_length_pmf, calibrate_to_conditionals, fit_acceptance
-from env.latency import LatencyParams, fit_profile, profile_mape, read_profile, step_time_us
+from env.latency import LatencyParams, fit_profile, profile_mape, read_profile, step_time_us_vec
 from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
@@ -125,7 +125,8 @@ def _tv(ap: AcceptanceParams, counts: dict[int, np.ndarray]) -> float | None:
     tvs, weights = [], []
     for d, c in counts.items():
         if c.sum() > 0:
-            tvs.append(0.5 * float(np.abs(accept_length_pmf(ap, d) - c / c.sum()).sum()))
+            pmf = accept_length_pmf(ap, d, step_weighted=True)
+            tvs.append(0.5 * float(np.abs(pmf - c / c.sum()).sum()))
             weights.append(float(c.sum()))
     return float(np.average(tvs, weights=weights)) if tvs else None
 
@@ -152,7 +153,7 @@ def _step_arrays(steps: list[Step]) -> tuple[np.ndarray, ...]:
 
 
 def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
-    return np.array([step_time_us(lp, int(b), int(d), c, p) for b, d, c, p in zip(bs, depth, ctx, pf)])
+    return step_time_us_vec(lp, bs, depth, ctx, pf)
 
 
 def fit_step_latency(lp: LatencyParams, steps: list[Step]) -> LatencyParams:
@@ -178,16 +179,17 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step]) -> LatencyParams:
         )
 
     def resid(z: np.ndarray) -> np.ndarray:
-        return np.log(_predict_steps(make(z), bs, depth, ctx, pf) / us)
+        # Bounded: a wild trial point must not turn into inf/NaN (which stalls the SVD).
+        return np.clip(np.log(np.maximum(_predict_steps(make(z), bs, depth, ctx, pf), 1.0) / us), -20.0, 20.0)
 
     z0 = np.concatenate([np.zeros(ng), [lp.oh_us / 1000.0, lp.oh_spec_us / 1000.0, lp.oh_req_us, lp.p]])
     # Subsample for speed: a few thousand steps pin these few parameters.
-    if len(us) > 4000:
-        idx = np.linspace(0, len(us) - 1, 4000).astype(int)
+    if len(us) > 1500:
+        idx = np.linspace(0, len(us) - 1, 1500).astype(int)
         bs, depth, ctx, pf, us = bs[idx], depth[idx], ctx[idx], pf[idx], us[idx]
     lo = np.concatenate([np.full(ng, -5.0), [0.0, 0.0, 0.0, 1.0]])
     hi = np.concatenate([np.full(ng, 5.0), [1e4, 1e4, 1e4, 16.0]])
-    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1)
+    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=60, x_scale="jac")
     return make(sol.x)
 
 
@@ -318,9 +320,9 @@ def fit_sim(
             )
         else:
             if sum(c.sum() for c in counts_fit.values()) >= 50:
-                ap_ho, _ = fit_acceptance(counts_fit, ap)
+                ap_ho, _ = fit_acceptance(counts_fit, ap, step_weighted=True)
                 report.accept_tv_holdout = _tv(ap_ho, counts_hold)
-            ap, _ = fit_acceptance(counts_all, ap)
+            ap, _ = fit_acceptance(counts_all, ap, step_weighted=True)
             report.accept_tv_fit = _tv(ap, counts_all)
             report.fitted.append("acceptance alpha, beta, sigma (ML over accept lists)")
         wp = _fit_workload(all_steps, wp, report)

@@ -419,15 +419,48 @@ def step_time_us(
         t += lp.oh_spec_us
         t += depth * (dr + lp.d_tok_us_per_tok * bs) + lp.d_fc_us  # k draft steps, the first with fc
         t += lp.t_fix_us + (w_p + (lp.f_us_per_tok * n) ** lp.p) ** inv_p + lp.tok_us_per_tok * n
-        t += (
-            attn0
-            + lp.aq_us
+        split = (
+            lp.aq_us
             + lp.sqq_us_per_seq * bs
             + (lp.kvq_us_per_ctx_tok + lp.kvs_us_per_ctx_tok * (q - 2)) * ctx_tokens
         )
+        t += attn0 + min(split, lp.fq_us + lp.fq_kv_us_per_ctx_tok * ctx_tokens)  # the faster verify kernel
         t += dr + lp.d_tok_us_per_tok * n  # draft extend over the verified tokens
     else:
         t += lp.t_fix_us + (w_p + (lp.f_us_per_tok * bs) ** lp.p) ** inv_p + lp.tok_us_per_tok * bs + attn0
         if lp.extend0:
             t += dr + lp.d_tok_us_per_tok * bs
     return t
+
+
+def step_time_us_vec(lp: LatencyParams, bs, depth, ctx_tokens, prefill_tokens) -> np.ndarray:
+    """:func:`step_time_us` over arrays of steps (for fitting to traces)."""
+    bs = np.asarray(bs, dtype=float)
+    d = np.asarray(depth, dtype=float)
+    c = np.asarray(ctx_tokens, dtype=float)
+    pf = np.asarray(prefill_tokens, dtype=float)
+    spec = d > 0
+    q = np.where(spec, d + 1.0, 1.0)
+    n = bs * q
+    t = lp.oh_us + lp.oh_req_us * bs
+    t = t + np.where(pf > 0, prefill_us_vec(lp, pf), 0.0)
+    attn0 = lp.a0_us + lp.sq_us_per_seq * bs + lp.kv_us_per_ctx_tok * c
+    dr = lp.d_fix_us + lp.d_kv_us_per_ctx_tok * c
+    target = lp.t_fix_us + gemm_us(lp, n) + lp.tok_us_per_tok * n + attn0
+    split = lp.aq_us + lp.sqq_us_per_seq * bs + (lp.kvq_us_per_ctx_tok + lp.kvs_us_per_ctx_tok * (q - 2)) * c
+    verify_extra = np.minimum(split, lp.fq_us + lp.fq_kv_us_per_ctx_tok * c)
+    spec_t = lp.oh_spec_us + d * (dr + lp.d_tok_us_per_tok * bs) + lp.d_fc_us + verify_extra
+    spec_t = spec_t + dr + lp.d_tok_us_per_tok * n
+    zero_t = (dr + lp.d_tok_us_per_tok * bs) if lp.extend0 else 0.0
+    return t + target + np.where(spec, spec_t, zero_t)
+
+
+def prefill_us_vec(lp: LatencyParams, prefill_tokens) -> np.ndarray:
+    """:func:`prefill_us` over an array (entries must be > 0)."""
+    p = np.asarray(prefill_tokens, dtype=float)
+    return (
+        lp.t_fix_us
+        + lp.pf_scale * (gemm_us(lp, p) + lp.tok_us_per_tok * p)
+        + lp.a0_us
+        + lp.pf_attn_us_per_tok * p
+    )

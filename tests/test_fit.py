@@ -1,0 +1,223 @@
+"""Fitting: the latency model on the H200 profile, recovery from simulated traces, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from controller.cli import main as cli_main
+from controller.errors import FitError
+from env.acceptance import AcceptanceParams, accept_length_pmf, fit_acceptance, marginal_conditionals
+from env.deployments import load_deployment
+from env.fit import fit_sim, predict_profile
+from env.latency import fit_profile, predict_component_ms, profile_mape, read_profile, step_us
+
+REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
+PROFILE = REF / "h200_llama8b" / "latency.csv"
+EXAMPLES = Path(__file__).resolve().parents[1] / "env" / "example_traces"
+needs_ref = pytest.mark.skipif(not PROFILE.exists(), reason="needs ../shared/reference")
+
+
+@needs_ref
+def test_latency_fit_predicts_held_out_profile_rows_within_5_percent():
+    df = read_profile(str(PROFILE))
+    rng = np.random.default_rng(0)
+    hold = rng.random(len(df)) < 0.2
+    lp, _ = fit_profile(df[~hold])
+    mape = profile_mape(lp, df[hold])
+    assert mape["target"] <= 5.0
+    assert mape["target_gemm"] <= 5.0
+    assert mape["draft"] <= 6.0 and mape["draft_nofc"] <= 6.0
+
+
+@needs_ref
+def test_latency_model_extrapolates_sanely():
+    lp = load_deployment("h200-llama8b").latency
+    # Monotone in batch, depth and context; linear (not explosive) far past the fitted range.
+    t = [step_us(lp, b, 3, b * 4096) for b in (64, 128, 256, 512)]
+    assert all(b > a for a, b in zip(t, t[1:]))
+    assert 1.6 < t[3] / t[2] < 2.2
+    by_depth = [step_us(lp, 64, d, 64 * 1024) for d in (0, 1, 2, 3, 5, 8)]
+    assert all(b > a for a, b in zip(by_depth, by_depth[1:]))
+    long = [float(predict_component_ms(lp, "target", 1, 1, L)) for L in (4096, 32768, 131072)]
+    assert long[0] < long[1] < long[2] < 10 * long[0]
+    # Verify at small batch costs about one decode (memory-bound); at large batch it scales.
+    small = float(
+        predict_component_ms(lp, "target", 1, 4, 1024) / predict_component_ms(lp, "target", 1, 1, 1024)
+    )
+    large = float(
+        predict_component_ms(lp, "target", 256, 8, 1024) / predict_component_ms(lp, "target", 256, 1, 1024)
+    )
+    assert small < 1.15 and large > 2.5
+
+
+def test_acceptance_mle_recovers_parameters():
+    true = replace(AcceptanceParams(), alpha=1.4, beta=-0.2, sigma=0.7)
+    rng = np.random.default_rng(0)
+    counts = {d: rng.multinomial(20000, accept_length_pmf(true, d)).astype(float) for d in (1, 3, 5)}
+    fit, rep = fit_acceptance(counts, AcceptanceParams())
+    # alpha and sigma trade off (both move the mean), so check what the data identify: the
+    # accept-length distributions, at the fitted depths and at one never seen.
+    for d in (1, 3, 5, 7):
+        assert np.abs(accept_length_pmf(fit, d) - accept_length_pmf(true, d)).sum() < 0.03
+    assert abs(fit.beta + 0.2) < 0.1
+    assert rep["tv_mean"] < 0.01
+
+
+def test_default_acceptance_matches_published_conditionals():
+    ap = load_deployment("h200-llama8b").acceptance
+    assert np.allclose(marginal_conditionals(ap, 3), [0.73, 0.71, 0.68], atol=0.01)
+
+
+def test_fit_recovers_the_deployment_from_its_own_traces():
+    truth = load_deployment("h200-llama8b")
+    params, report = fit_sim(str(EXAMPLES / "h200-llama8b"), [])
+    assert report.step_mape_holdout is not None and report.step_mape_holdout < 5.0
+    assert report.accept_tv_fit is not None and report.accept_tv_fit < 0.05
+    for d in (1, 3, 5):
+        assert (
+            np.abs(accept_length_pmf(params.acceptance, d) - accept_length_pmf(truth.acceptance, d)).sum()
+            < 0.1
+        )
+    assert abs(params.engine.kv_budget_tokens / truth.engine.kv_budget_tokens - 1) < 0.01
+    assert "fitted" in str(report)
+
+
+@needs_ref
+def test_fit_cli_with_profile_holdout_and_predictions(tmp_path, capsys):
+    df = pd.read_csv(PROFILE)
+    held = df.sample(frac=0.2, random_state=1)
+    df.drop(held.index).to_csv(tmp_path / "fit.csv", index=False)
+    held.to_csv(tmp_path / "held.csv", index=False)
+    rc = cli_main(
+        ["fit", "--profile", str(tmp_path / "fit.csv"), "--out", str(tmp_path / "sim.json"),
+         "--holdout", str(tmp_path / "held.csv"), "--predictions", str(tmp_path / "pred.csv")]
+    )  # fmt: skip
+    assert rc == 0
+    out = pd.read_csv(tmp_path / "pred.csv")
+    assert list(out.columns) == list(df.columns) + ["predicted_ms"] and len(out) == len(held)
+    target = out[out.component == "target"]
+    assert (abs(target.predicted_ms - target.median_ms) / target.median_ms).mean() <= 0.05
+    assert "MAPE" in capsys.readouterr().out
+    report = json.loads((tmp_path / "sim.report.json").read_text())
+    assert report["profile_mape_holdout"]["target"] <= 5.0
+    from env.params import SimParams
+
+    _, mape = predict_profile(SimParams.from_json(tmp_path / "sim.json"), str(tmp_path / "held.csv"))
+    assert mape["target"] <= 5.0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_fit_refuses_no_input():
+    with pytest.raises(FitError, match="nothing to fit"):
+        fit_sim(None, [])
+
+
+def test_fit_empty_folder_names_it(tmp_path):
+    with pytest.raises(FitError, match=str(tmp_path)):
+        fit_sim(str(tmp_path), [])
+
+
+def test_fit_corrupt_trace_names_the_file(tmp_path):
+    src = next((EXAMPLES / "seed").glob("*closed1*"))
+    data = bytearray(src.read_bytes())
+    data[2000:2100] = b"\xc1" * 100  # 0xc1 is never valid msgpack
+    (tmp_path / "x-1.msgpack").write_bytes(bytes(data))
+    with pytest.raises(FitError, match="x-1.msgpack"):
+        fit_sim(str(tmp_path), [])
+
+
+def test_fit_truncated_trace_uses_the_records_before_the_tear(tmp_path):
+    src = next((EXAMPLES / "seed").glob("*closed8*"))
+    data = src.read_bytes()
+    (tmp_path / "t-1.msgpack").write_bytes(data[: len(data) - 37])  # torn last record
+    params, report = fit_sim(str(tmp_path), [])
+    assert report.n_steps > 1000
+
+
+def test_fit_traces_without_accept_lists_fall_back_and_say_so(tmp_path):
+    from controller.traces import TraceWriter
+    from env.engine import Engine
+
+    eng = Engine(load_deployment("seed"), "closed:4")
+    eng.reset(0)
+    with TraceWriter(tmp_path, "nospec", start_ns=1) as w:
+        for _ in range(300):
+            rec = eng.step(0)
+            w.write(rec.to_wire(), rec.ts_ns)
+    params, report = fit_sim(str(tmp_path), [])
+    assert any("kept the published defaults" in n for n in report.notes)
+    assert report.accept_tv_fit is None
+
+
+def test_profile_missing_columns_and_bad_values_name_the_file(tmp_path):
+    p = tmp_path / "p.csv"
+    p.write_text("component,batch,q,median_ms\ntarget,1,1,5.0\n")
+    with pytest.raises(FitError, match=r"p\.csv.*ctx"):
+        fit_sim(None, [str(p)])
+    p.write_text("component,batch,q,ctx,median_ms\ntarget,1,1,1024,abc\n")
+    with pytest.raises(FitError, match=r"p\.csv: line 2"):
+        fit_sim(None, [str(p)])
+    p.write_text("")
+    with pytest.raises(FitError, match=r"p\.csv"):
+        fit_sim(None, [str(p)])
+    with pytest.raises(FitError, match="missing.csv"):
+        fit_sim(None, [str(tmp_path / "missing.csv")])
+    p.write_text("component,batch,q,ctx,median_ms\ndraft,1,1,1024,0.3\n")
+    with pytest.raises(FitError, match="target"):
+        fit_sim(None, [str(p)])
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    rc = cli_main(["fit", "--traces", str(tmp_path / "nope"), "--out", str(tmp_path / "s.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "nope" in err
+
+
+def test_bench_cli_json(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    rc = cli_main(
+        ["bench", "--deployment", "seed", "--policy", "builtin:static:0", "--concurrency", "1,4",
+         "--duration-s", "20", "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["concurrency"] for r in res] == [1, 4]
+    assert abs(res[0]["throughput_tok_s"] / 92.6 - 1) < 0.1
+    assert res[1]["throughput_tok_s"] > res[0]["throughput_tok_s"] and res[0]["tpot_ms_mean"] > 0
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_example_traces_are_labelled_simulated():
+    readme = (EXAMPLES / "README.md").read_text()
+    assert "SIMULATED" in readme
+    assert shutil.disk_usage(EXAMPLES)  # exists
+    total = sum(p.stat().st_size for p in EXAMPLES.rglob("*.msgpack"))
+    assert 0 < total < 5_000_000
+
+
+def test_step_time_fast_paths_agree_with_the_model():
+    from env.latency import step_time_us, step_time_us_vec
+
+    rng = np.random.default_rng(0)
+    bs = rng.integers(1, 300, 100)
+    d = rng.choice([0, 1, 2, 3, 5, 7], 100)
+    c = bs * rng.integers(10, 9000, 100)
+    pf = rng.choice([0, 0, 100, 5000], 100)
+    for name in ("h200-llama8b", "seed"):
+        lp = load_deployment(name).latency
+        ref = np.array([step_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)])
+        fast = np.array(
+            [step_time_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)]
+        )
+        assert np.allclose(fast, ref, rtol=1e-12) and np.allclose(
+            step_time_us_vec(lp, bs, d, c, pf), ref, rtol=1e-12
+        )
