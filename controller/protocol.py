@@ -32,8 +32,8 @@ code                 meaning
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgpack
@@ -332,7 +332,7 @@ def parse_error(wire: dict[str, Any]) -> Error:
     code = wire.get("code")
     if type(code) is not str or not code:
         raise ProtocolError("bad_field", "error needs a string code")
-    return Error(code=code[:64], msg=_text(wire, "msg", MAX_TEXT_CHARS))
+    return Error(code=code[:64], msg=_text(wire, "msg", MAX_TEXT_CHARS, required=False))
 
 
 _PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
@@ -360,8 +360,9 @@ def _int(wire: dict[str, Any], key: str, lo: int, hi: int) -> int:
     return value
 
 
-def _text(wire: dict[str, Any], key: str, max_chars: int) -> str:
-    value = wire.get(key, "")
+def _text(wire: dict[str, Any], key: str, max_chars: int, *, required: bool = True) -> str:
+    # DESIGN.md lists every field of hello/welcome as required; only an error's msg is optional.
+    value = wire.get(key) if required else wire.get(key, "")
     if type(value) is not str or len(value) > max_chars:
         raise ProtocolError("bad_field", f"{key} must be a string of at most {max_chars} chars")
     return value

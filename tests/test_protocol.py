@@ -237,8 +237,10 @@ def test_hello_bad_depths(depths: Any) -> None:
 
 
 def test_hello_fields() -> None:
-    hello = decode(msgpack.packb({"t": "hello", "v": 1, "instance": "h", "depths": [0, 2], "tp": 4}))
-    assert hello == Hello("h", (0, 2), "", "", 4)  # engine and model default to ""
+    wire = {"t": "hello", "v": 1, "instance": "h", "depths": [0, 2], "engine": "e", "model": "m", "tp": 4}
+    assert decode(msgpack.packb(wire)) == Hello("h", (0, 2), "e", "m", 4)
+    for key in ("engine", "model", "tp", "depths", "instance"):  # every hello field is required
+        assert code_of({k: v for k, v in wire.items() if k != key}) == "bad_field"
     assert code_of({**Hello("h", (0,)).to_wire(), "engine": "e" * (MAX_TEXT_CHARS + 1)}) == "bad_field"
     assert code_of({**Hello("h", (0,)).to_wire(), "tp": 0}) == "bad_field"
     assert code_of({**Hello("h", (0,)).to_wire(), "model": 5}) == "bad_field"
