@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from controller.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, Hello, Step
+from controller.protocol import MAX_FRAME_BYTES, Decision, Error, Hello, ProtocolError, Step, Welcome, decode
 
 _MAX_DRAIN = 1024  # frames read per poll_decision call: bounds the time spent there
 _NOBLOCK, _EVENTS, _POLLIN = zmq.NOBLOCK, zmq.EVENTS, zmq.POLLIN
@@ -154,23 +154,7 @@ class ControllerClient:
             self.counters["dropped"] += 1
             return
         try:
-            frame = self._pack(
-                {
-                    "t": "step",
-                    "v": PROTOCOL_VERSION,
-                    "instance": step.instance,
-                    "seq": step.seq,
-                    "depth": step.depth,
-                    "bs": step.bs,
-                    "waiting": step.waiting,
-                    "accept": step.accept,
-                    "step_us": step.step_us,
-                    "ctx_tokens": step.ctx_tokens,
-                    "kv_usage": step.kv_usage,
-                    "prefill_tokens": step.prefill_tokens,
-                    "ts_ns": step.ts_ns,
-                }
-            )
+            frame = self._pack(step.to_wire())  # the one wire schema: protocol.Step
         except (
             TypeError,
             ValueError,
@@ -215,34 +199,26 @@ class ControllerClient:
 
     def _handle(self, frame: bytes) -> None:
         try:
-            wire: Any = msgpack.unpackb(frame, raw=False)
-        except Exception:  # msgpack raises several unrelated types for bad bytes
+            msg = decode(frame)  # the one protocol module validates both directions
+        except ProtocolError:
             self.counters["invalid"] += 1
             return
-        if type(wire) is not dict or wire.get("v") != PROTOCOL_VERSION:
-            self.counters["invalid"] += 1
-            return
-        t = wire.get("t")
-        if t == "decision":
-            depth = wire.get("depth")
-            if type(depth) is int and depth in self.depths and wire.get("instance") == self.instance:
-                self._depth = depth
+        if type(msg) is Decision:
+            if msg.depth in self.depths and msg.instance == self.instance:
+                self._depth = msg.depth
                 self._decision_ns = time.monotonic_ns()
                 self.counters["decisions"] += 1
             else:
                 self.counters["invalid"] += 1
-        elif t == "error":
-            code = wire.get("code")
-            code = code[:64] if type(code) is str else "?"
-            self.errors[code] = self.errors.get(code, 0) + 1
-            if code == "unknown_instance":  # the controller restarted: introduce ourselves again
+        elif type(msg) is Error:
+            self.errors[msg.code] = self.errors.get(msg.code, 0) + 1
+            if msg.code == "unknown_instance":  # the controller restarted: introduce ourselves again
                 self._send_hello(time.monotonic_ns())
-        elif t == "welcome":
-            policy, features = wire.get("policy"), wire.get("features")
-            self.policy = policy if type(policy) is str else ""
-            self.features = features if type(features) is int else -1
+        elif type(msg) is Welcome:
+            self.policy = msg.policy
+            self.features = msg.features
             self.counters["welcomes"] += 1
-        else:
+        else:  # a hook-to-controller message sent to us
             self.counters["invalid"] += 1
 
     # ------------------------------------------------------------------ state
