@@ -99,8 +99,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     depths = tuple(_parse_ints(args.depths, "depths"))
     if any(c < 1 for c in conc):
         raise ConfigError("--concurrency: every C must be >= 1")
-    if "{C}" not in args.workload:
-        raise ConfigError("--workload: the template must contain {C}")
+    if "{C}" not in args.workload and len(conc) > 1:
+        raise ConfigError("--workload: with several concurrencies the template must contain {C}")
     factory = make_factory(args.policy, depths)
     results = []
     print(

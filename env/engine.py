@@ -117,7 +117,7 @@ class Engine:
         self._drift_noise = self._rng_drift.standard_normal(_BLOCK)
         self._drift_i = 0
         self._base = p.acceptance.base_logits(64)
-        self._acc_k = 8
+        self._acc_k = 5  # the default deepest depth; grows on demand
         self._acc_noise = self._draw_acc_noise()
         self._acc_i = 0
         cap = self._cap
