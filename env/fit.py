@@ -5,7 +5,9 @@ What is fitted from what (every fallback is written into the report's ``notes``)
 - **latency**, from profile CSVs (``fit_profile``: the pass-level terms) and from traces
   (the per-step overheads ``oh_us``, ``oh_spec_us``, ``oh_req_us`` and one scale per cost
   class of pass terms — per pass, per token, per cached token, draft per pass, draft per
-  token, prefill — and the GEMM regime sharpness ``p``, by robust least squares on log ``step_us``). Without a profile the pass shape
+  token, prefill — and the GEMM regime sharpness ``p``, by robust least squares on log
+  ``step_us``). With a profile, traces fit only the overheads (the profile measured the pass
+  terms, and ``--holdout`` predictions come from them). Without a profile the pass shape
   starts from the bundled ``h200-llama8b`` fit and the traces rescale its cost classes.
 - **acceptance**, from the ``accept`` lists (maximum likelihood, :func:`fit_acceptance`).
   Traces without speculative steps keep the published defaults (``reference/acceptance.md``).
@@ -156,8 +158,12 @@ def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
     return step_time_us_vec(lp, bs, depth, ctx, pf)
 
 
-def fit_step_latency(lp: LatencyParams, steps: list[Step]) -> LatencyParams:
-    """Fit one scale per cost class of pass terms and the per-step overheads to traced step times."""
+def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool = False) -> LatencyParams:
+    """Fit one scale per cost class of pass terms and the per-step overheads to traced step times.
+
+    ``overheads_only``: keep the pass terms (and ``p``) as given — when a profile measured
+    them — and fit only what a profile cannot see: the per-step overheads.
+    """
     from scipy.optimize import least_squares
 
     bs, depth, ctx, pf, us = _step_arrays(steps)
@@ -189,6 +195,9 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step]) -> LatencyParams:
         bs, depth, ctx, pf, us = bs[idx], depth[idx], ctx[idx], pf[idx], us[idx]
     lo = np.concatenate([np.full(ng, -5.0), [0.0, 0.0, 0.0, 1.0]])
     hi = np.concatenate([np.full(ng, 5.0), [1e4, 1e4, 1e4, 16.0]])
+    if overheads_only:  # pin the pass scales at 1 and p at its value (tight bounds)
+        lo[:ng], hi[:ng] = -1e-9, 1e-9
+        lo[ng + 3], hi[ng + 3] = lp.p - 1e-9, lp.p + 1e-9
     sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=60, x_scale="jac")
     return make(sol.x)
 
@@ -303,11 +312,16 @@ def fit_sim(
         all_steps = [s for steps in recs.values() for s in steps]
         report.n_steps = len(all_steps)
         fit_steps, hold_steps = _split(recs)
-        lp_ho = fit_step_latency(lp, fit_steps)
+        pinned = bool(profiles)  # a profile measured the pass terms: traces add the overheads
+        lp_ho = fit_step_latency(lp, fit_steps, overheads_only=pinned)
         report.step_mape_holdout = step_mape(lp_ho, hold_steps)
-        lp = fit_step_latency(lp, all_steps)
+        lp = fit_step_latency(lp, all_steps, overheads_only=pinned)
         report.step_mape_fit = step_mape(lp, all_steps)
-        report.fitted.append("latency overheads and scale (traces)")
+        report.fitted.append(
+            "latency per-step overheads (traces)"
+            if pinned
+            else "latency overheads and cost-class scales (traces)"
+        )
 
         counts_fit, counts_hold = accept_counts(fit_steps), accept_counts(hold_steps)
         counts_all = accept_counts(all_steps)
