@@ -405,10 +405,17 @@ CONCURRENCY = (1, 4, 16, 64)
 BIND = "ipc:///tmp/spec-controller-h200.sock"
 
 
+LOAD_SCALE = 1  # --scale: requests per point = SCALE x two waves (1 = what the committed results used)
+
+
 def loads(seed: int) -> list[LoadSpec]:
-    """C = 1, 4, 16, 64; about two waves of requests each, same prompts for every policy."""
+    """C = 1, 4, 16, 64; ``LOAD_SCALE`` x about two waves of requests each, same prompts for every policy.
+
+    At scale 1 a point lasts 0.4-6 s, so one 100-300 ms TTFT stall moves its throughput by
+    10-35% (seen in bench/results/h200): use --scale 4 or more when device time allows.
+    """
     n = {1: 4, 4: 8, 16: 32, 64: 128}
-    return [LoadSpec(c, n[c], 256, 128, seed=seed + c) for c in CONCURRENCY]
+    return [LoadSpec(c, n[c] * LOAD_SCALE, 256, 128, seed=seed + c) for c in CONCURRENCY]
 
 
 def hook_server(label: str, draft: str, cuda_graph: bool = True) -> ServerSpec:
@@ -600,10 +607,13 @@ def main() -> int:
     parser.add_argument("--policies", default="", help="extra policies, comma list of NAME=SPEC")
     parser.add_argument("--collect", action="store_true", help="only pack what a warm machine kept")
     parser.add_argument("--no-kill9", action="store_true", help="skip the kill -9 test")
+    parser.add_argument("--scale", type=int, default=1, help="requests per point x this (longer points)")
     args = parser.parse_args()
 
     if args.collect:
         return collect(args.out)
+    global LOAD_SCALE
+    LOAD_SCALE = max(1, args.scale)
 
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = T0 + args.deadline_s

@@ -1,0 +1,326 @@
+"""Turn a device run's ``res.tar.gz`` into the committed results, traces and sim-vs-real report.
+
+Runs here (CPU), after ``run.py`` came back from the device:
+
+1. unpacks the tarball (and any ``prev_*`` results a warm machine kept) and merges the runs;
+2. writes ``tables.md`` / ``results.json``: throughput and mean/p99 TPOT per policy and C for
+   each acceptance level, the measured acceptance, greedy-output identity across policies,
+   the depth switches SGLang logged, the ``kill -9`` test;
+3. copies the controller's recorded traces into ``env/example_traces/h200-real-<level>/``;
+4. refits the simulator on them (``controller fit``) per acceptance level and runs the same
+   policies in it (``controller bench``): step-latency MAPE and throughput per C, sim vs real.
+
+Usage: python bench/h200/analyze.py bench/results/h200/raw/run1_res.tar.gz bench/results/h200/raw/run2_res.tar.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CONCURRENCY = (1, 4, 16, 64)
+DEPTHS = "0,1,3,5"
+
+
+def load(tarballs: list[Path], work: Path) -> tuple[list[dict], list[dict], list[tuple[str, Path]]]:
+    """(summaries, per-request rows, (call, result folder)) of the tarballs, in call order.
+
+    Every run and row gets ``call`` = ``call1``, ``call2``, ... (one device call = one machine:
+    numbers from different calls are not side by side).
+    """
+    if work.exists():
+        shutil.rmtree(work)
+    summaries, rows, folders = [], [], []
+    for i, tar_path in enumerate(tarballs, 1):
+        call = f"call{i}"
+        dest = work / call
+        dest.mkdir(parents=True)
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(dest, filter="data")
+        for folder in sorted((p.parent for p in dest.glob("res/**/summary.json")), key=lambda p: p.name):
+            summary = json.loads((folder / "summary.json").read_text())
+            for m in summary.get("runs", []):
+                m["call"] = call
+            summary["call"] = call
+            summaries.append(summary)
+            folders.append((call, folder))
+            req = folder / "requests.jsonl"
+            if req.exists():
+                for line in req.read_text().splitlines():
+                    if line.strip():
+                        row = json.loads(line)
+                        row["call"] = call
+                        rows.append(row)
+    return summaries, rows, folders
+
+
+def acceptance(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per level: measured per-draft acceptance at each static depth (from SGLang's histograms)."""
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for m in rows:
+        pol = m["policy"]
+        if not pol.startswith("static:") or pol == "static:0":
+            continue
+        k = int(pol.split(":")[1])
+        hist = m.get("accepted_drafts_histogram") or []
+        n = sum(hist)
+        if n:
+            mean_acc = sum(i * c for i, c in enumerate(hist)) / n
+            key = f"depth{k}"
+            prev = out[m["server"]].get(key + "_n", 0)
+            cur = out[m["server"]].get(key + "_sum", 0.0)
+            out[m["server"]][key + "_n"] = prev + n
+            out[m["server"]][key + "_sum"] = cur + mean_acc * n
+    final: dict[str, dict[str, float]] = {}
+    for level, d in out.items():
+        final[level] = {}
+        for key in [k for k in d if k.endswith("_n")]:
+            base = key[:-2]
+            k = int(base[5:])
+            mean = d[base + "_sum"] / d[key]
+            final[level][f"mean_accepted_of_{k}"] = round(mean, 3)
+            final[level][f"accept_fraction_depth{k}"] = round(mean / k, 3)
+    return final
+
+
+def greedy_identity(rows: list[dict]) -> dict[str, Any]:
+    """For each level and C: do all policies (in all calls) return the same ids for the same prompt?"""
+    by: dict[tuple[str, int, int], dict[str, tuple[int, ...]]] = defaultdict(dict)
+    for m in rows:
+        for r in m.get("requests", []):
+            if r.get("ok"):
+                key = (m["server"], m["concurrency"], r["idx"])
+                by[key][f"{m['call']}:{m['policy']}"] = tuple(r["output_ids"])
+    total = same = 0
+    distinct_outputs: set[tuple[int, ...]] = set()
+    mismatches = []
+    for key, outs in by.items():
+        if len(outs) < 2:
+            continue
+        total += 1
+        distinct_outputs.update(outs.values())
+        if len(set(outs.values())) == 1:
+            same += 1
+        elif len(mismatches) < 5:
+            mismatches.append({"level": key[0], "c": key[1], "idx": key[2], "policies": sorted(outs)})
+    distinct_tokens = {t for o in distinct_outputs for t in o}
+    return {
+        "prompts_compared": total,
+        "identical_across_policies": same,
+        "distinct_tokens_in_outputs": len(distinct_tokens),
+        "mismatch_examples": mismatches,
+    }
+
+
+def off_policy(m: dict) -> int:
+    """Verifies that accepted more drafts than ``static:k`` allows: steps not run at depth k.
+
+    Visible only when acceptance is high (a fallback step at depth 5 accepting 5 drafts).
+    """
+    pol = m["policy"]
+    if not pol.startswith("static:"):
+        return 0
+    k = int(pol.split(":")[1])
+    return sum((m.get("accepted_drafts_histogram") or [])[k + 1 :])
+
+
+def table(runs: list[dict], level: str, call: str) -> list[str]:
+    cell: dict[tuple[str, int], dict] = {}
+    mine = [m for m in runs if m["server"] == level and m["call"] == call]
+    for m in mine:
+        cell[(m["policy"], m["concurrency"])] = m
+    policies = list(dict.fromkeys(m["policy"] for m in mine))
+    head = "| policy | " + " | ".join(f"C={c} tok/s | TPOT mean / p99 ms" for c in CONCURRENCY) + " |"
+    lines = [head, "|---" * (1 + 2 * len(CONCURRENCY)) + "|"]
+    for pol in policies:
+        cells = []
+        for c in CONCURRENCY:
+            m = cell.get((pol, c))
+            if m is None:
+                cells += ["-", "-"]
+            else:
+                note = f" ({m['failed']} failed)" if m["failed"] else ""
+                if off_policy(m):
+                    note += f" [{off_policy(m)} fallback steps]"
+                cells += [
+                    f"{m['throughput_tok_s']:.0f}{note}",
+                    f"{m['tpot_mean_ms']:.2f} / {m['tpot_p99_ms']:.2f}",
+                ]
+        lines.append(f"| {pol} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def copy_traces(folders: list[tuple[str, Path]], dest_root: Path) -> dict[str, Path]:
+    """Copy each level's controller traces to ``dest_root/h200-real-<level>/<call>-<policy>-<file>``."""
+    out: dict[str, Path] = {}
+    for call, folder in folders:
+        troot = folder / "traces"
+        if not troot.is_dir():
+            continue
+        for f in sorted(troot.glob("*/*/*.msgpack")):
+            level, policy = f.parent.parent.name, f.parent.name
+            d = dest_root / f"h200-real-{level}"
+            d.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, d / f"{call}-{policy}-{f.name}")
+            out[level] = d
+    return out
+
+
+def controller(*args: str) -> str:
+    p = subprocess.run(
+        [sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True, cwd=REPO
+    )
+    if p.returncode != 0:
+        return f"FAILED rc={p.returncode}: {p.stderr.strip()[-800:]}"
+    return p.stdout
+
+
+BS_BUCKETS = {1: (1, 1), 4: (2, 4), 16: (5, 16), 64: (17, 64)}
+
+
+def step_mape_per_c(sim_json: Path, traces: Path) -> dict[int, tuple[float, int]]:
+    """Step-latency MAPE of the fitted model on the traces' steps, by batch-size bucket of each C."""
+    from env.fit import load_steps, step_mape
+    from env.params import SimParams
+
+    params = SimParams.from_json(sim_json)
+    steps = [s for v in load_steps(str(traces)).values() for s in v]
+    out = {}
+    for c, (lo, hi) in BS_BUCKETS.items():
+        sub = [s for s in steps if lo <= s.bs <= hi]
+        if sub:
+            out[c] = (step_mape(params.latency, sub), len(sub))
+    return out
+
+
+def sim_vs_real(
+    level: str, traces: Path, out: Path, runs: list[dict], ppo: Path | None
+) -> tuple[list[str], dict]:
+    sim_json = out / f"sim_{level}.json"
+    fit_text = controller("fit", "--traces", str(traces), "--out", str(sim_json))
+    report: dict[str, Any] = {"fit_stdout": fit_text}
+    rep_path = sim_json.with_suffix(".report.json")
+    if rep_path.exists():
+        report["fit"] = json.loads(rep_path.read_text())
+    lines = [f"### level `{level}`: simulator refitted on this level's traces ({traces.name})", "",
+             "```", fit_text.strip(), "```", ""]  # fmt: skip
+    if sim_json.exists():
+        per_c = step_mape_per_c(sim_json, traces)
+        report["step_mape_per_c"] = {str(c): {"mape_pct": m, "steps": n} for c, (m, n) in per_c.items()}
+        lines += ["| C (batch sizes) | steps | step-latency MAPE % (fit on all) |", "|---|---|---|"]
+        for c, (m, n) in per_c.items():
+            lo, hi = BS_BUCKETS[c]
+            lines.append(f"| {c} (bs {lo}-{hi}) | {n} | {m:.1f} |")
+        lines.append("")
+    real: dict[tuple[str, int], float] = {}
+    for m in runs:  # later calls override earlier ones (call 2 re-measured with the warm-up fix)
+        if m["server"] == level and not off_policy(m):
+            real[(m["policy"], m["concurrency"])] = m["throughput_tok_s"]
+    lines += ["| policy | C | real tok/s | sim tok/s | sim error % |", "|---|---|---|---|---|"]
+    report["throughput"] = []
+    for pol in sorted({p for p, _ in real}):
+        if pol == "sglang-adaptive":
+            spec = "builtin:sglang-adaptive"
+        elif pol.startswith("static:"):
+            spec = "builtin:" + pol
+        elif pol == "ppo" and ppo is not None:
+            spec = str(ppo)
+        else:
+            continue
+        jpath = out / f"simbench_{level}_{pol.replace(':', '-')}.json"
+        controller("bench", "--sim", str(sim_json), "--policy", spec, "--concurrency",
+                   ",".join(map(str, CONCURRENCY)), "--depths", DEPTHS, "--duration-s", "60",
+                   "--workload", "closed:{C}@prompt=256,output=128", "--json", str(jpath))  # fmt: skip
+        if not jpath.exists():
+            continue
+        for r in json.loads(jpath.read_text())["results"]:
+            c = r["concurrency"]
+            if (pol, c) in real:
+                err = 100.0 * (r["throughput_tok_s"] - real[(pol, c)]) / real[(pol, c)]
+                report["throughput"].append(
+                    {
+                        "policy": pol,
+                        "c": c,
+                        "real": real[(pol, c)],
+                        "sim": r["throughput_tok_s"],
+                        "err_pct": err,
+                    }
+                )
+                lines.append(
+                    f"| {pol} | {c} | {real[(pol, c)]:.0f} | {r['throughput_tok_s']:.0f} | {err:+.1f} |"
+                )
+    errs = [abs(x["err_pct"]) for x in report["throughput"]]
+    if errs:
+        lines.append(
+            f"\nmean |throughput error| {sum(errs) / len(errs):.1f}% over {len(errs)} (policy, C) points"
+        )
+    lines.append("")
+    return lines, report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tarballs", type=Path, nargs="+", help="res.tar.gz of each device call, in order")
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/h200")
+    parser.add_argument("--traces-root", type=Path, default=REPO / "env/example_traces")
+    parser.add_argument("--ppo", type=Path, default=REPO / "bench/results/h200/ppo/ppo.zip")
+    parser.add_argument("--no-sim", action="store_true")
+    args = parser.parse_args()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    summaries, rows, folders = load(args.tarballs, Path("/tmp/h200/analyze"))
+    runs = [m for s in summaries for m in s.get("runs", [])]
+    levels = list(dict.fromkeys(m["server"] for m in runs))
+    calls = list(dict.fromkeys(m["call"] for m in runs))
+    kill9 = next((s["kill9"] for s in summaries if s.get("kill9")), None)
+    result: dict[str, Any] = {
+        "devices": {s["call"]: s.get("device") for s in summaries},
+        "models": next((s["models"] for s in summaries if s.get("models")), None),
+        "acceptance": acceptance([m for m in runs if not off_policy(m)]),
+        "greedy_identity": greedy_identity(rows),
+        "kill9": kill9,
+        "servers": [
+            dict(e, call=s["call"])
+            for s in summaries
+            for e in s.get("events", [])
+            if e.get("what") == "server"
+        ],
+        "policy_switches": [
+            dict(e, call=s["call"])
+            for s in summaries
+            for e in s.get("events", [])
+            if e.get("what") == "policy_done"
+        ],
+        "runs": runs,
+    }
+    md = []
+    for level in levels:
+        for call in calls:
+            if any(m["server"] == level and m["call"] == call for m in runs):
+                md += [f"### level `{level}`, {call}", ""] + table(runs, level, call) + [""]
+    if not args.no_sim:
+        traces = copy_traces(folders, args.traces_root)
+        result["sim_vs_real"] = {}
+        for level, tdir in traces.items():
+            lines, rep = sim_vs_real(level, tdir, args.out, runs, args.ppo)
+            md += lines
+            result["sim_vs_real"][level] = rep
+    (args.out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (args.out / "tables.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(
+        json.dumps({k: result[k] for k in ("acceptance", "greedy_identity", "kill9")}, indent=1, default=str)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
