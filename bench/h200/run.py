@@ -541,8 +541,10 @@ def level_run(
     log(f"server {level}: {why} after {start_s}s")
     try:
         if ok:
-            # Warm-up: prefill and decode shapes at every batch size, outside the timed runs.
-            run_load(server.url, LoadSpec(64, 64, 256, 32, seed=5))
+            # Warm-up: prefill and decode shapes of every C, outside the timed runs (call 2 of
+            # bench/results/h200 warmed only C=64 and saw 300 ms first-token stalls at C=4).
+            for c in CONCURRENCY:
+                run_load(server.url, LoadSpec(c, 2 * c, 256, 32, seed=5 + c))
             res.event("warm", level=level)
             policy_runs(res, server, level, policies, deadline)
             if kill9 and time.time() < deadline - 20:
