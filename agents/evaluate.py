@@ -99,7 +99,7 @@ class EvalConfig:
 
     @classmethod
     def from_args(cls, args: Any, depths: tuple[int, ...] | None) -> EvalConfig:
-        conc = DEFAULT_CONCURRENCY
+        conc: tuple[int, ...] = DEFAULT_CONCURRENCY
         if args.concurrency:
             try:
                 conc = tuple(int(c) for c in args.concurrency.split(","))
@@ -205,7 +205,7 @@ def run_job(job: _Job) -> _Job:
         seed=job.seed,
         duration_s=job.workload.duration_s,
     )
-    out = {
+    out: dict[str, Any] = {
         "throughput_tok_s": float(res.throughput_tok_s),
         "tpot_ms_mean": float(res.tpot_ms_mean),
         "tpot_ms_p99": float(res.tpot_ms_p99),

@@ -83,13 +83,13 @@ def check_targets(results: dict[str, Any], learned: str = "ppo") -> list[dict[st
                     worst_r, where = r, f"{b} on {s}"
         add("any workload: PPO / each adaptive baseline, worst", worst_r, 0.99, where)
     if "oracle" in pols:
-        r = {s: _ratio(results, s, learned, "oracle") for s in wls}
-        w = min(r, key=lambda s: _nan_last(r[s]))
+        vs_oracle = {s: _ratio(results, s, learned, "oracle") for s in wls}
+        w = min(vs_oracle, key=lambda s: _nan_last(vs_oracle[s]))
         add(
             "PPO / oracle, worst workload",
-            r[w],
+            vs_oracle[w],
             0.95,
-            f"worst at {w}; mean {np.nanmean(list(r.values())):.3f}",
+            f"worst at {w}; mean {np.nanmean(list(vs_oracle.values())):.3f}",
         )
     return out
 

@@ -176,8 +176,11 @@ def fitted_params(cfg: TrainConfig) -> tuple[Any, str]:
         from env.fit import fit_sim
     except ImportError as exc:
         raise ConfigError(f"fitting traces needs env.fit ({exc})") from None
-    params, report = fit_sim(cfg.traces, [str(p) for p in cfg.profiles])
-    return params, f"fitted to {cfg.traces} + {len(cfg.profiles)} profile(s): {report}"
+    params, report = fit_sim(str(cfg.traces), [str(p) for p in cfg.profiles])
+    out_dir = cfg.out.parent if str(cfg.out.parent) else Path(".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fit_report.txt").write_text(f"{report}\n")
+    return params, f"fitted to {cfg.traces} + {len(cfg.profiles)} profile(s) (fit_report.txt)"
 
 
 def capacity_req_s(params: Any, depths: tuple[int, ...]) -> float:
@@ -236,12 +239,14 @@ def _make_env_class():
         def __init__(self, env: gym.Env, use_env_reward: bool = False) -> None:
             super().__init__(env)
             self.use_env_reward = use_env_reward
-            self.depths = env.unwrapped.depths
+            sim: Any = env.unwrapped  # SpecDecodeEnv: its engine gives the true rates
+            self._sim = sim
+            self.depths: tuple[int, ...] = tuple(sim.depths)
             self._rates = np.ones(len(self.depths))
 
         def reset(self, **kwargs: Any):
             obs, info = self.env.reset(**kwargs)
-            self._rates = _rates(self.env.unwrapped.engine, self.depths)
+            self._rates = _rates(self._sim.engine, self.depths)
             info["rates"] = self._rates
             return obs, info
 
@@ -252,7 +257,7 @@ def _make_env_class():
             obs, env_reward, terminated, truncated, info = self.env.step(action)
             if self.use_env_reward:
                 reward = float(env_reward)
-            self._rates = _rates(self.env.unwrapped.engine, self.depths)
+            self._rates = _rates(self._sim.engine, self.depths)
             info["rates"] = self._rates
             return obs, reward, terminated, truncated, info
 
@@ -358,18 +363,17 @@ def warm_start(
     obs_all: list[np.ndarray] = []
     rel_all: list[np.ndarray] = []
     for r in range(cfg.bc_rounds):
-        if r == 0:
-            # The oracle with 30% random actions: covers the states a decent policy visits and
-            # the ones its mistakes lead to (stale drafter after depth 0, queues after deep steps).
-            def act(obs: np.ndarray, rates: np.ndarray) -> int:
-                return int(rng.integers(n_act)) if rng.random() < 0.3 else int(np.argmax(rates))
-        else:
-            mlp = _numpy_actor(model)  # ~30× faster than a torch forward per step
+        # Round 1: the oracle with 30% random actions, covering the states a decent policy visits
+        # and the ones its mistakes lead to (stale drafter after depth 0, queues after deep steps).
+        # Later rounds: the current network with 10% random actions (DAgger).
+        mlp = _numpy_actor(model) if r > 0 else None  # ~30× faster than a torch forward per step
 
-            def act(obs: np.ndarray, rates: np.ndarray, mlp: Any = mlp) -> int:
-                if rng.random() < 0.1:
-                    return int(rng.integers(n_act))
-                return mlp.act(obs)
+        def act(obs: np.ndarray, rates: np.ndarray, mlp: Any = mlp) -> int:
+            if mlp is None:
+                return int(rng.integers(n_act)) if rng.random() < 0.3 else int(np.argmax(rates))
+            if rng.random() < 0.1:
+                return int(rng.integers(n_act))
+            return int(mlp.act(obs))
 
         t0 = time.perf_counter()
         obs, rel = _collect(envs, cfg.bc_states, act, rng)
@@ -455,7 +459,7 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         """Mean reward (fraction of the oracle's expected rate) per rollout, for the report."""
 
         def _on_rollout_end(self) -> None:
-            rewards = self.model.rollout_buffer.rewards
+            rewards = self.model.rollout_buffer.rewards  # type: ignore[attr-defined]
             history.append({"timesteps": float(self.num_timesteps), "mean_reward": float(np.mean(rewards))})
             self.logger.record("charts/oracle_fraction", float(np.mean(rewards)))
 

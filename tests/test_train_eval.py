@@ -140,3 +140,16 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
         main(["eval", "--deployment", "seed", "--out", str(tmp_path / "o"), "--policy", "builtin:nope"]) == 2
     )
     assert "unknown builtin" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_from_traces_fits_the_simulator_first(tmp_path):
+    traces = Path(__file__).resolve().parents[1] / "env" / "example_traces" / "seed"
+    out = tmp_path / "fit" / "ppo.zip"
+    train(
+        replace(TINY, out=out, deployment=None, traces=traces, timesteps=256, bc_states=300),
+        log=lambda *_: None,
+    )
+    assert (out.parent / "fit_report.txt").read_text().startswith("fit report")
+    assert json.loads((out.parent / "sim.json").read_text())["name"] == "fitted"
+    load_ppo_factory(out, (0, 1, 2, 3, 5))
