@@ -231,7 +231,8 @@ class Engine:
         if depth < 0:
             raise ConfigError(f"depth must be >= 0, got {depth}")
         n_before = self.n
-        if self.waiting or (self.arrivals.peek() is not None and self.arrivals.peek() <= self.now_us):
+        t_next = self.arrivals.peek()
+        if self.waiting or (t_next is not None and t_next <= self.now_us):
             self._pull_arrivals()
             prefill = self._admit()
         else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -175,7 +176,7 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool 
     ng = len(groups)
 
     def make(z: np.ndarray) -> LatencyParams:
-        changes: dict[str, float] = {}
+        changes: dict[str, Any] = {}
         for (_, names), lz in zip(groups, z[:ng]):
             for n in names:
                 changes[n] = getattr(lp, n) * float(np.exp(lz))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -107,7 +108,7 @@ class LatencyParams:
         """A draw around these coefficients: each × exp(N(0, (scale·rel_se)²))."""
         if scale <= 0.0 or not self.rel_se:
             return self
-        changes: dict[str, float] = {}
+        changes: dict[str, Any] = {}
         for name, se in sorted(self.rel_se.items()):
             if se > 0.0 and name not in ("p", "jitter"):
                 changes[name] = float(getattr(self, name) * math.exp(rng.normal(0.0, scale * se)))
@@ -279,7 +280,8 @@ def fit_profile(df, base: LatencyParams | None = None) -> tuple[LatencyParams, d
 
     def unpack(z: np.ndarray) -> LatencyParams:
         x = z * scale
-        return replace(base, **dict(zip(_TARGET_NAMES, (float(v) for v in x[:-1]))), p=float(x[-1]))
+        kw: dict[str, Any] = dict(zip(_TARGET_NAMES, (float(v) for v in x[:-1])))
+        return replace(base, **kw, p=float(x[-1]))
 
     def resid(z: np.ndarray) -> np.ndarray:
         lp = unpack(z)
@@ -318,7 +320,8 @@ def fit_profile(df, base: LatencyParams | None = None) -> tuple[LatencyParams, d
         sd = np.maximum(np.abs(xd0), 1e-5)
 
         def unpack_d(z: np.ndarray) -> LatencyParams:
-            return replace(lp, **dict(zip(_DRAFT_NAMES, (float(v) for v in z * sd))))
+            kw: dict[str, Any] = dict(zip(_DRAFT_NAMES, (float(v) for v in z * sd)))
+            return replace(lp, **kw)
 
         def resid_d(z: np.ndarray) -> np.ndarray:
             p = unpack_d(z)

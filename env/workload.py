@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +85,7 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
     """Parse a workload spec string; raises :class:`ConfigError` naming what is wrong."""
     text = spec.strip()
     base, _, opts = text.partition("@")
-    kw: dict[str, object] = {}
+    kw: dict[str, Any] = {}
     if opts:
         for item in opts.split(","):
             key, eq, val = item.partition("=")
@@ -182,13 +183,13 @@ class Arrivals:
         if s.prompt_tokens is not None:
             prompt = s.prompt_tokens
         else:
-            prompt = wp.prompt_median_tokens * math.exp(wp.prompt_sigma * self.rng.standard_normal())
-            prompt = int(min(max(prompt, wp.prompt_min_tokens), wp.prompt_max_tokens))
+            draw = wp.prompt_median_tokens * math.exp(wp.prompt_sigma * self.rng.standard_normal())
+            prompt = int(min(max(draw, wp.prompt_min_tokens), wp.prompt_max_tokens))
         if s.output_tokens is not None:
             out = s.output_tokens
         else:
-            out = wp.output_median_tokens * math.exp(wp.output_sigma * self.rng.standard_normal())
-            out = int(min(max(out, wp.output_min_tokens), wp.output_max_tokens))
+            draw = wp.output_median_tokens * math.exp(wp.output_sigma * self.rng.standard_normal())
+            out = int(min(max(draw, wp.output_min_tokens), wp.output_max_tokens))
         return prompt, out
 
     def shift_at(self, t_us: int) -> float:
@@ -309,10 +310,10 @@ def load_replay(path: str) -> list[tuple[int, int, int | None]]:
     if len(df) == 0:
         raise ConfigError(f"replay {path}: no rows")
     df = df.sort_values("arrival_s")
-    t0 = float(df["arrival_s"].iloc[0])
+    t0_s = float(df["arrival_s"].iloc[0])
     has_out = "output_tokens" in df.columns
     rows = []
     for r in df.itertuples(index=False):
         out_tok = int(r.output_tokens) if has_out else None  # type: ignore[attr-defined]
-        rows.append((int((float(r.arrival_s) - t0) * 1e6), max(int(r.prompt_tokens), 1), out_tok))
+        rows.append((int((float(r.arrival_s) - t0_s) * 1e6), max(int(r.prompt_tokens), 1), out_tok))
     return rows
