@@ -112,9 +112,9 @@ class Engine:
         self._rng_lat = np.random.default_rng(lat_ss)
         self._rng_drift = np.random.default_rng(drift_ss)
         self.arrivals = Arrivals(self.spec, p.workload, p.acceptance.code_shift, np.random.default_rng(wl_ss))
-        self._lat_noise = self._rng_lat.standard_normal(_BLOCK) * p.latency.jitter
+        self._lat_noise = (self._rng_lat.standard_normal(_BLOCK) * p.latency.jitter).tolist()
         self._lat_i = 0
-        self._drift_noise = self._rng_drift.standard_normal(_BLOCK)
+        self._drift_noise = self._rng_drift.standard_normal(_BLOCK).tolist()
         self._drift_i = 0
         self._base = p.acceptance.base_logits(64)
         self._acc_k = 5  # the default deepest depth; grows on demand
@@ -142,7 +142,15 @@ class Engine:
         self.last_record_us = 0
         self.seq = 0
         self.kv_reserved = 0
-        self.drift = self._rng_drift.normal(0.0, p.acceptance.drift_sd) if p.acceptance.drift_sd > 0 else 0.0
+        self.drift = (
+            float(self._rng_drift.normal(0.0, p.acceptance.drift_sd)) if p.acceptance.drift_sd > 0 else 0.0
+        )
+        # Hot-path constants (Python floats/lists index faster than numpy scalars).
+        self._lp = p.latency
+        self._instance = p.engine.instance
+        self._kv_budget = p.engine.kv_budget_tokens
+        self._drift_sd = p.acceptance.drift_sd
+        self._drift_tau_us = p.acceptance.drift_tau_s * 1e6
         self.completed: list[RequestStats] = []
         self.tokens_emitted = 0
         self.prefill_pending = 0
@@ -246,13 +254,13 @@ class Engine:
             prefill += self._admit()
         self.prefill_pending += prefill
         n = self.n
-        lp = self.params.latency
+        lp = self._lp
         ctx_sum = self.ctx_sum
         pf = self.prefill_pending
         model_us = step_time_us(lp, n, depth, ctx_sum, pf)
         self._last_args = (n, depth, ctx_sum, pf)
         if self._lat_i >= _BLOCK:
-            self._lat_noise = self._rng_lat.standard_normal(_BLOCK) * lp.jitter
+            self._lat_noise = (self._rng_lat.standard_normal(_BLOCK) * lp.jitter).tolist()
             self._lat_i = 0
         busy = max(1, int(model_us * math.exp(self._lat_noise[self._lat_i])))
         self._lat_i += 1
@@ -321,7 +329,7 @@ class Engine:
         self.last_busy_us = busy
         self.prefill_pending = 0
         rec = Step(
-            instance=self.params.engine.instance,
+            instance=self._instance,
             seq=self.seq,
             depth=depth,
             bs=n,
@@ -329,7 +337,7 @@ class Engine:
             accept=accept,
             step_us=int(step_us),
             ctx_tokens=int(ctx_sum),
-            kv_usage=min(1.0, kv_used / self.params.engine.kv_budget_tokens),
+            kv_usage=min(1.0, kv_used / self._kv_budget),
             prefill_tokens=int(pf),
             ts_ns=self.start_ns + now * 1000,
         )
@@ -371,16 +379,14 @@ class Engine:
         self.n = k
 
     def _advance_drift(self, dt_us: int) -> None:
-        ap = self.params.acceptance
-        if ap.drift_sd <= 0.0:
+        sd = self._drift_sd
+        if sd <= 0.0:
             return
         if self._drift_i >= _BLOCK:
-            self._drift_noise = self._rng_drift.standard_normal(_BLOCK)
+            self._drift_noise = self._rng_drift.standard_normal(_BLOCK).tolist()
             self._drift_i = 0
-        a = math.exp(-dt_us / (ap.drift_tau_s * 1e6))
-        self.drift = (
-            self.drift * a + ap.drift_sd * math.sqrt(max(0.0, 1.0 - a * a)) * self._drift_noise[self._drift_i]
-        )
+        a = math.exp(-dt_us / self._drift_tau_us)
+        self.drift = self.drift * a + sd * math.sqrt(max(0.0, 1.0 - a * a)) * self._drift_noise[self._drift_i]
         self._drift_i += 1
 
     # ------------------------------------------------------------------ oracle access
