@@ -353,9 +353,9 @@ class Engine:
         return step_time_us(self.params.latency, n, 0, ctx_sum, pf)
 
     def _finish(self, finished: np.ndarray, now: int) -> None:
-        n = self.n
-        A = self.S[:n]
-        for _, t_arr, t_first, rid, prompt_f, out_f in A[finished].tolist():
+        idx = np.flatnonzero(finished)
+        S, rem, xoff, pen, zs = self.S, self.rem, self.xoff, self.pen, self.zs
+        for _, t_arr, t_first, rid, prompt_f, out_f in S[idx].tolist():
             out = int(out_f)
             prompt = int(prompt_f)
             self.completed.append(
@@ -371,12 +371,18 @@ class Engine:
             self.kv_reserved -= prompt + out
             self.ctx_sum -= prompt + out
             self.arrivals.on_complete(now)
-        keep = ~finished
-        k = int(keep.sum())
-        self.S[:k] = A[keep]
-        for arr in (self.rem, self.xoff, self.pen, self.zs):
-            arr[:k] = arr[:n][keep]
-        self.n = k
+        # Swap-remove (highest index first, so a moved row is never a finished one): a few
+        # row copies instead of compacting every array (batch order is not part of the model).
+        n = self.n
+        for i in reversed(idx.tolist()):
+            n -= 1
+            if i != n:
+                S[i] = S[n]
+                rem[i] = rem[n]
+                xoff[i] = xoff[n]
+                pen[i] = pen[n]
+                zs[i] = zs[n]
+        self.n = n
 
     def _advance_drift(self, dt_us: int) -> None:
         sd = self._drift_sd
