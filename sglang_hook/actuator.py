@@ -23,8 +23,6 @@ Nothing here raises into SGLang: an exception is logged once and SGLang's own an
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,7 +138,7 @@ class ControlledParams:
             the ``sglang`` fallback.
         state: the process's :class:`ActuatorState`.
         fallback_depth: fixed depth when no decision is fresh; ``None`` = SGLang's policy.
-        on_cost: called with each call's own cost in ns (the benchmark's hook time).
+        profiler: benchmark only: ``start()`` → token, ``stop(token)`` around each call.
     """
 
     def __init__(
@@ -148,11 +146,11 @@ class ControlledParams:
         inner: Any,
         state: ActuatorState,
         fallback_depth: int | None = None,
-        on_cost: Callable[[int], None] | None = None,
+        profiler: Any = None,
     ) -> None:
         self._inner = inner
         self._state = state
-        self._on_cost = on_cost
+        self._profiler = profiler
         valid = frozenset(int(s) for s in inner.candidate_steps)
         state.valid = valid
         if fallback_depth is not None and fallback_depth not in valid:
@@ -182,7 +180,8 @@ class ControlledParams:
 
     def get_steps_for_batch(self, batch_size: int) -> int:
         """The depth for the decode about to launch: the received decision, else the fallback."""
-        t0 = time.perf_counter_ns()
+        prof = self._profiler
+        t0 = prof.start() if prof is not None else None
         try:
             state = self._state
             depth = state.applied
@@ -198,8 +197,8 @@ class ControlledParams:
             self._state.counters.hook_errors += 1
             log_once("get_steps", "spec controller: actuator failed; using SGLang's policy", exc=True)
         finally:
-            if self._on_cost is not None:
-                self._on_cost(time.perf_counter_ns() - t0)
+            if prof is not None:
+                prof.stop(t0)
         return self._inner.get_steps_for_batch(batch_size)
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
@@ -225,12 +224,12 @@ def wrap_controller_params(
     controller: Any,
     state: ActuatorState,
     fallback_depth: int | None,
-    on_cost: Callable[[int], None] | None = None,
+    profiler: Any = None,
 ) -> ControlledParams:
     """Replace ``controller.params`` (SGLang's ``AdaptiveController``) by a :class:`ControlledParams`."""
     inner = controller.params
     if isinstance(inner, ControlledParams):
         return inner
-    wrapped = ControlledParams(inner, state, fallback_depth, on_cost)
+    wrapped = ControlledParams(inner, state, fallback_depth, profiler)
     controller.params = wrapped
     return wrapped

@@ -68,10 +68,21 @@ class HookRuntime:
         self.skipped_records = 0
         self.last_step_us = 0
         self.last_bs = 0
-        # Benchmark: the hook's own cost accumulated since the previous step record.
-        self.pending_ns = 0
+        # Benchmark only: the hook's own wall and thread-CPU time since the previous step record.
         self._profile_path = os.environ.get(ENV_PROFILE_OUT, "") if ranks.is_entry else ""
-        self._profile: dict[str, list[int]] = {"hook_ns": [], "step_us": [], "bs": []}
+        self.profiler: HookRuntime | None = self if self._profile_path else None
+        self.pending_wall_ns = 0
+        self.pending_cpu_ns = 0
+        self.pending_polls = 0
+        self._profile: dict[str, list[int]] = {
+            "hook_ns": [],
+            "hook_cpu_ns": [],
+            "record_cpu_ns": [],
+            "polls": [],
+            "ref_cpu_ns": [],
+            "step_us": [],
+            "bs": [],
+        }
 
     # ------------------------------------------------------------------ entry rank: controller
 
@@ -149,19 +160,20 @@ class HookRuntime:
         """After SGLang processed a batch result: one step record per decode (entry rank only)."""
         if not self.ranks.is_entry:
             return
-        t0 = time.perf_counter_ns()
+        t0 = self.start() if self.profiler is not None else None
         mode = batch.forward_mode
         if mode.is_decode():
             self._record_decode(scheduler, batch, result)
-            cost = self.pending_ns + time.perf_counter_ns() - t0
-            self.pending_ns = 0
-            if self._profile_path:
-                self._profile_step(cost)
+            if t0 is not None:
+                self._profile["record_cpu_ns"].append(time.thread_time_ns() - t0[1])
+                self.stop(t0)
+                self._profile_step()
         elif mode.is_extend():
             n = getattr(batch, "extend_num_tokens", None)
             if type(n) is int and n > 0:
                 self.prefill_tokens += n
-            self.pending_ns += time.perf_counter_ns() - t0
+            if t0 is not None:
+                self.stop(t0)
 
     def _record_decode(self, scheduler: Any, batch: Any, result: Any) -> None:
         now_ns = time.monotonic_ns()
@@ -216,14 +228,28 @@ class HookRuntime:
 
     def on_idle(self) -> None:
         self.prev_decode_ns = None
-        self.pending_ns = 0
+        self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = 0
 
-    def add_cost(self, ns: int) -> None:
-        self.pending_ns += ns
+    # Benchmark profiler (only when $SPECDEPTH_PROFILE_OUT is set; otherwise nothing is timed).
+    @staticmethod
+    def start() -> tuple[int, int]:
+        return time.perf_counter_ns(), time.thread_time_ns()
 
-    def _profile_step(self, cost_ns: int) -> None:
+    def stop(self, t0: tuple[int, int]) -> None:
+        self.pending_wall_ns += time.perf_counter_ns() - t0[0]
+        self.pending_cpu_ns += time.thread_time_ns() - t0[1]
+
+    def _profile_step(self) -> None:
         prof = self._profile
-        prof["hook_ns"].append(cost_ns)
+        prof["hook_ns"].append(self.pending_wall_ns)
+        prof["hook_cpu_ns"].append(self.pending_cpu_ns)
+        prof["polls"].append(self.pending_polls)
+        # A fixed pure-Python reference right after the hook: shows how much this host inflates
+        # any Python code at this point of the step (cold caches after the forward, SMT, load).
+        t0 = time.thread_time_ns()
+        sum(range(200))
+        prof["ref_cpu_ns"].append(time.thread_time_ns() - t0)
+        self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = 0
         prof["step_us"].append(self.last_step_us)
         prof["bs"].append(self.last_bs)
         if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
@@ -291,7 +317,7 @@ def controller_init_hook(original: Any, controller: Any, *args: Any, **kwargs: A
     try:
         rt = runtime()
         if rt is not None:
-            wrap_controller_params(controller, rt.state, rt.config.fallback_depth, on_cost=rt.add_cost)
+            wrap_controller_params(controller, rt.state, rt.config.fallback_depth, profiler=rt.profiler)
     except Exception:
         log_once("wrap", "spec controller: cannot wrap SGLang's adaptive params; SGLang decides", exc=True)
 
@@ -302,7 +328,7 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
     if rt is None:
         return original(receiver, recv_reqs, *args, **kwargs)
     if recv_reqs is not None and rt.ranks.is_entry:
-        t0 = time.perf_counter_ns()
+        t0 = rt.start() if rt.profiler is not None else None
         try:
             marker = rt.offer(receiver.server_args)
             if marker is not None:
@@ -310,7 +336,9 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
         except Exception:
             rt.state.counters.hook_errors += 1
             log_once("offer", "spec controller: polling failed; no decision this step", exc=True)
-        rt.add_cost(time.perf_counter_ns() - t0)
+        if t0 is not None:
+            rt.stop(t0)
+            rt.pending_polls += 1
     out = original(receiver, recv_reqs, *args, **kwargs)
     try:
         return rt.sync.take(out)

@@ -119,3 +119,27 @@ def test_other_version_source_has_target(target: compat.Target) -> None:
     assert root is not None
     problem = _static_check(root, target)
     assert problem is None, problem
+
+
+def test_launcher_refuses_via_sglangs_own_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang alone would warn and drop adaptive mode; through the launcher it is a refusal."""
+    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_hook import launch_server
+
+    monkeypatch.setattr(speculative_hook, "_maybe_disable_adaptive", speculative_hook._maybe_disable_adaptive)
+    launch_server._refuse_instead_of_disabling()
+
+    def args(topk: int) -> ServerArgs:
+        return ServerArgs(
+            model_path="unused",
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path="unused",
+            speculative_eagle_topk=topk,
+            speculative_adaptive=True,
+        )
+
+    with pytest.raises(launch_server.Refused, match="topk"):
+        speculative_hook._maybe_disable_adaptive(args(4))
+    speculative_hook._maybe_disable_adaptive(args(1))  # supported: SGLang's own path, no refusal
