@@ -227,20 +227,23 @@ def test_one_record_per_decode_step_matching_sglangs_own_log(stack: Stack) -> No
     assert uncached <= sum(r["prefill_tokens"] for r in recs) <= uncached + len(results)
     seqs = [r["seq"] for r in recs]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    # step_us against SGLang's own per-step timing: gap = tokens / throughput.
-    ratios = []
+    # step_us against SGLang's own per-step timing: gap = tokens / throughput. The two clocks are
+    # read at slightly different points of the same step, so a preemption (busy host) moves
+    # time from one step to the next: per step only the bulk must agree; summed, it cancels.
+    ours, theirs = [], []
     for i, (r, (bs, tput)) in enumerate(zip(recs, log, strict=True)):
         if i == 0 or tput <= 1.0 or r["step_us"] <= 0:
             continue  # first step after idle: SGLang's gap includes the idle time, ours does not
         server_us = bs * 1e6 / tput
         if server_us > 1e6:
             continue  # an idle gap between waves
-        ratios.append(r["step_us"] / server_us)
-    ratios.sort()
-    assert len(ratios) >= len(recs) // 2
-    median = ratios[len(ratios) // 2]
-    assert 0.95 <= median <= 1.05, ratios
-    assert sum(abs(x - 1) < 0.2 for x in ratios) >= 0.9 * len(ratios), ratios
+        ours.append(r["step_us"])
+        theirs.append(server_us)
+    assert len(ours) >= len(recs) // 2
+    ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+    assert 0.95 <= ratios[len(ratios) // 2] <= 1.05, ratios
+    assert sum(abs(x - 1) < 0.2 for x in ratios) >= 0.75 * len(ratios), ratios
+    assert abs(sum(ours) / sum(theirs) - 1) < 0.05, (sum(ours), sum(theirs))
     assert all(0.0 <= r["kv_usage"] <= 1.0 for r in recs)
     assert all(r["ctx_tokens"] >= r["bs"] for r in recs)
 
