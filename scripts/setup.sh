@@ -25,5 +25,14 @@ echo "setup: installing specdepth[dev,sglang] into $VENV (first time: several mi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # torch is pinned to the release SGLang 0.5.23 pins, so pip resolves it once.
 "$VENV/bin/python" -m pip install -q --progress-bar off "torch==2.14.1" -e ".[dev,sglang]"
+# The hook's contract test also checks SGLang 0.5.17 (the GPU machine's version) statically:
+# its source is unpacked, never imported, beside the venv.
+src="$VENV/sglang-0.5.17-src"
+if [ ! -d "$src/sglang/srt" ]; then
+  tmp=$(mktemp -d)
+  "$VENV/bin/python" -m pip download -q --no-deps "sglang==0.5.17" -d "$tmp"
+  "$VENV/bin/python" -m zipfile -e "$tmp"/sglang-0.5.17-*.whl "$tmp/x"
+  mkdir -p "$src" && mv "$tmp/x/sglang" "$src/sglang" && rm -rf "$tmp"
+fi
 echo "$want" > "$stamp"
 echo "setup: done"

@@ -9,4 +9,5 @@ echo "== ruff"
 echo "== mypy"
 "$VENV/bin/mypy" --no-error-summary controller/protocol.py controller/features.py controller/policy.py
 echo "== pytest"
+export SPECDEPTH_SGLANG_SRC=${SPECDEPTH_SGLANG_SRC:-$VENV/sglang-0.5.17-src/sglang}
 exec "$VENV/bin/python" -m pytest -q -rs "$@"
