@@ -157,13 +157,17 @@ def test_actuator_failure_falls_back_to_sglang(tmp_path: Path) -> None:
 
 
 class ScriptedDecisions:
-    """Stands in for the controller client on the entry rank: ``poll_decision`` from a script."""
+    """The entry rank's fresh-decision source, from a script (``None`` = stale or none).
+
+    Freshness itself is tested with the real client and controller below; here the point is
+    what the ranks do with whatever the entry rank decided.
+    """
 
     def __init__(self, script: list[int | None]) -> None:
         self.script = script
         self.i = 0
 
-    def poll_decision(self) -> int | None:
+    def __call__(self, client: Any) -> int | None:
         value = self.script[self.i]
         self.i += 1
         return value
@@ -205,7 +209,8 @@ def _tp_rank_main(rank: int, world: int, init_file: str, script: list[int | None
     controller.register(worker.build_adaptive_runtime_state(3, 4))
     controller.init_states(cuda_graph_bs=None)
     if rank == 0:
-        rt.client = ScriptedDecisions(script)
+        rt.client = object()  # connected; decisions come from the script
+        rt._fresh_depth = ScriptedDecisions(script)  # type: ignore[method-assign]
 
     def original(receiver: Any, recv_reqs: Any) -> Any:
         return broadcast_pyobj(recv_reqs, rank, None, src=0)
