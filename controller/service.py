@@ -50,7 +50,7 @@ import zmq
 from controller.errors import ConfigError, ControllerError, PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.metrics import ServiceStats
-from controller.policy import Policy, PolicyFactory, make_factory
+from controller.policy import Policy, PolicyFactory, StaticPolicy, make_factory
 from controller.protocol import (
     DEFAULT_ENDPOINT,
     MAX_DEPTH,
@@ -365,7 +365,11 @@ class Server:
         try:
             policy = self.factory(hello.depths)
         except ControllerError as exc:  # e.g. a PPO zip trained for other depths
-            raise ProtocolError("bad_field", f"depths {list(hello.depths)} not servable: {exc}") from None
+            if len(hello.depths) > 1:
+                raise ProtocolError("bad_field", f"depths {list(hello.depths)} not servable: {exc}") from None
+            # One allowed depth (a server without speculation) leaves nothing to decide: answer
+            # it and record its telemetry whatever the policy, so any server can be traced.
+            policy = StaticPolicy(hello.depths[0], hello.depths)
         session = self._sessions.get(hello.instance)
         if session is None:
             if len(self._sessions) >= self.config.max_instances:

@@ -728,6 +728,11 @@ def test_serving_a_ppo_zip_end_to_end(workdir: Path) -> None:
         reply = peer.ask(Hello("q", (0, 1, 2)).to_wire())
         assert reply["t"] == "error" and reply["code"] == "bad_field"
         assert "[0, 1, 2]" in reply["msg"] and "[0, 1, 2, 3, 4, 5]" in reply["msg"], reply["msg"]
+        # A replica without speculation (one depth) has nothing to decide: it is served depth 0
+        # whatever the policy, so its telemetry is still recorded and answered.
+        assert peer.ask(Hello("cpu", (0,)).to_wire())["t"] == "welcome"
+        replies = [peer.ask(step_wire("cpu", seq, depth=0, accept=[])) for seq in range(5)]
+        assert [(r["t"], r["depth"]) for r in replies] == [("decision", 0)] * 5
     finally:
         peer.close()
         assert server.stop() == 0
