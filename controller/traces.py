@@ -42,13 +42,14 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from controller.errors import TraceError
-from controller.protocol import MAX_FRAME_BYTES, ProtocolError, Step, parse_step
+from controller.protocol import MAX_FRAME_BYTES, Decision, Hello, ProtocolError, Step, parse_step
 
 if TYPE_CHECKING:  # pandas is only needed by readers, never by the service's hot path
     import pandas as pd
@@ -58,57 +59,19 @@ SUFFIX = ".msgpack"
 # corruption, not a torn write.
 MAX_RECORD_BYTES = MAX_FRAME_BYTES + 64
 
-INT_COLUMNS = (
-    "seq",
-    "depth",
-    "bs",
-    "waiting",
-    "step_us",
-    "ctx_tokens",
-    "prefill_tokens",
-    "ts_ns",
-    "rx_ns",
-    "tp",
-)
-COLUMNS = (
-    "file",
-    "instance",
-    "t",
-    "seq",
-    "depth",
-    "bs",
-    "waiting",
-    "accept",
-    "step_us",
-    "ctx_tokens",
-    "kv_usage",
-    "prefill_tokens",
-    "ts_ns",
-    "rx_ns",
-    "depths",
-    "engine",
-    "model",
-    "tp",
-)
+# Columns come from the protocol's own message types, so a field added there is read here too.
+_STEP_FIELDS = tuple(f.name for f in fields(Step))
+_HELLO_FIELDS = tuple(f.name for f in fields(Hello) if f.name != "instance")
+_DECISION_FIELDS = tuple(f.name for f in fields(Decision))
+COLUMNS = ("file", "instance", "t", *_STEP_FIELDS[1:], "rx_ns", *_HELLO_FIELDS)
+INT_COLUMNS = tuple(c for c in COLUMNS if Step.__annotations__.get(c) == "int" or c in ("rx_ns", "tp"))
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _COMMON = frozenset(("instance", "t", "rx_ns"))
 _FIELDS_OF = {
-    "step": _COMMON
-    | {
-        "seq",
-        "depth",
-        "bs",
-        "waiting",
-        "accept",
-        "step_us",
-        "ctx_tokens",
-        "kv_usage",
-        "prefill_tokens",
-        "ts_ns",
-    },
-    "hello": _COMMON | {"depths", "engine", "model", "tp"},
-    "decision": _COMMON | {"seq", "depth"},
+    "step": _COMMON | set(_STEP_FIELDS),
+    "hello": _COMMON | set(_HELLO_FIELDS),
+    "decision": _COMMON | set(_DECISION_FIELDS),
 }
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
