@@ -27,7 +27,8 @@ feature                    meaning
 ``spec_staleness``         1 − exp(−steps since the last step with depth > 0 / 50)
 ``depth=k`` (k ∈ D)        one-hot of the depth the last step ran with
 ``p_accept_i`` (i ≤ K)     recent conditional acceptance of draft position i (given i−1 were
-                           accepted), a decayed count with a weak prior
+                           accepted), a decayed count with a weak prior; while nothing is
+                           drafted the evidence ages and the estimate returns to the prior
 ``tokens_k`` (k ∈ D)       expected tokens per request-step at depth k, / (k + 1)
 ``lat_ratio_k`` (k ∈ D)    log(step time at depth k / at depth 0) for the current batch-size
                            bucket (else the running ratio over buckets; 0 if never), ±2
@@ -46,13 +47,17 @@ import numpy as np
 
 from controller.protocol import Step
 
-FEATURIZER_VERSION = 1
+FEATURIZER_VERSION = 2
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
 N_BS_BUCKETS = 10
 PRIOR_ACCEPT = 0.6  # weak prior for a position never tried, between chat and code figures
 PRIOR_WEIGHT = 2.0  # in "request-positions": a few real observations dominate it
-ACCEPT_DECAY = 0.9  # per record: about the last 10 steps of a batch count
+ACCEPT_DECAY = 0.9  # per speculative step: about the last 10 batches count
+# Per step without drafting, the acceptance evidence loses weight and the estimate returns to
+# the prior (halved in ~23 steps): a policy that stopped drafting after a bad stretch will look
+# again, instead of trusting a frozen, pessimistic estimate forever.
+STALE_DECAY = 0.97
 FAST, SLOW = 0.3, 0.03
 LAT_ALPHA = 0.2
 
@@ -133,7 +138,10 @@ class Featurizer:
 
     def accept_prob(self, position: int) -> float:
         """Recent conditional acceptance of draft position ``position`` (1-based)."""
-        return (self._acc[position] + PRIOR_ACCEPT * PRIOR_WEIGHT) / (self._tried[position] + PRIOR_WEIGHT)
+        w = STALE_DECAY ** (self.steps - self._last_spec) if self.steps > self._last_spec else 1.0
+        return (w * self._acc[position] + PRIOR_ACCEPT * PRIOR_WEIGHT) / (
+            w * self._tried[position] + PRIOR_WEIGHT
+        )
 
     def expected_tokens(self, depth: int) -> float:
         """Expected tokens one request emits in a step at ``depth``: 1 + Σ_i Π_{j≤i} p_j."""
@@ -233,7 +241,7 @@ class Featurizer:
         out += onehot
 
         block = self._accept_block
-        if block is None:
+        if block is None or self._last_spec != t:  # new evidence, or evidence ageing
             block = self._accept_block = self._acceptance_features()
         probs_and_tokens, tokens = block
         out += probs_and_tokens
@@ -260,7 +268,12 @@ class Featurizer:
     def _acceptance_features(self) -> tuple[list[float], list[float]]:
         """``p_accept_i`` and ``tokens_k / (k+1)`` features, and expected tokens per depth."""
         acc, tried, w, pw = self._acc, self._tried, PRIOR_WEIGHT, PRIOR_ACCEPT * PRIOR_WEIGHT
-        probs = [(acc[i] + pw) / (tried[i] + w) for i in range(1, self.max_depth + 1)]
+        age = self.steps - self._last_spec
+        if age > 0:  # evidence ages while nothing is drafted
+            s = STALE_DECAY**age
+            probs = [(s * acc[i] + pw) / (s * tried[i] + w) for i in range(1, self.max_depth + 1)]
+        else:
+            probs = [(acc[i] + pw) / (tried[i] + w) for i in range(1, self.max_depth + 1)]
         cum = [1.0] * (self.max_depth + 1)
         run = 1.0
         for i, p in enumerate(probs, start=1):

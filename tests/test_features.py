@@ -14,6 +14,7 @@ from controller.features import (
     FEATURIZER_VERSION,
     PRIOR_ACCEPT,
     PRIOR_WEIGHT,
+    STALE_DECAY,
     Featurizer,
     bs_bucket,
 )
@@ -176,6 +177,33 @@ def test_acceptance_decays_per_speculative_step_only() -> None:
     acc, tried = 2 * ACCEPT_DECAY + 0, 2 * ACCEPT_DECAY + 2
     want = (acc + PRIOR_ACCEPT * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
     assert f.accept_prob(1) == pytest.approx(want)
+
+
+def test_acceptance_evidence_ages_back_to_the_prior_while_nothing_is_drafted() -> None:
+    # A bad stretch must not freeze a pessimistic estimate forever once drafting stops: the
+    # evidence loses weight per depth-0 step, so a policy trusting it will look again.
+    f = Featurizer(DEPTHS)
+    for seq in range(30):
+        f.update(step(seq, 3, [0] * 8, bs=8))
+    low = f.accept_prob(1)
+    assert low < 0.05
+    seen = [f.accept_prob(1)]
+    for seq in range(30, 230):
+        f.update(step(seq, 0, [], bs=8))
+        seen.append(f.accept_prob(1))
+    assert all(a < b for a, b in zip(seen, seen[1:]))  # monotone recovery
+    w = STALE_DECAY**200
+    acc, tried = f._acc[1], f._tried[1]
+    assert f.accept_prob(1) == pytest.approx(
+        (w * acc + PRIOR_ACCEPT * PRIOR_WEIGHT) / (w * tried + PRIOR_WEIGHT)
+    )
+    assert f.accept_prob(1) > PRIOR_ACCEPT - 0.05
+    # The observation carries the same aged estimate.
+    obs = f.update(step(230, 0, [], bs=8))
+    assert obs[f.feature_names.index("p_accept_1")] == pytest.approx(f.accept_prob(1), rel=1e-6)
+    # One speculative step brings fresh evidence at full weight again.
+    f.update(step(231, 1, [1] * 8, bs=8))
+    assert f.steps - f._last_spec == 0
 
 
 @pytest.mark.parametrize("true_p", [0.3, 0.8])

@@ -18,7 +18,7 @@ import torch
 from gymnasium import spaces
 
 from controller.errors import PolicyLoadError
-from controller.features import Featurizer
+from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.policy import make_factory
 from controller.ppo_policy import META_NAME, PPOMeta, load_ppo_factory, meta_for, read_ppo_zip, write_metadata
 from controller.protocol import Step
@@ -144,7 +144,9 @@ def _rewrite_meta(path: Path, **changes) -> None:
 def test_other_featurizer_version_is_refused(tmp_path):
     _, path = _save_model(tmp_path)
     _rewrite_meta(path, featurizer_version=99)
-    with pytest.raises(PolicyLoadError, match="Featurizer version 99, this controller runs version 1"):
+    with pytest.raises(
+        PolicyLoadError, match=f"Featurizer version 99, this controller runs version {FEATURIZER_VERSION}"
+    ):
         load_ppo_factory(path, DEPTHS)
 
 
