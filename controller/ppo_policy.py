@@ -188,6 +188,8 @@ class MLP:
             (np.ascontiguousarray(w.T, dtype=np.float32), b.astype(np.float32)) for w, b in weights
         ]
         self._relu = activation == "relu"
+        # One buffer per layer: act() on the serving hot path allocates nothing.
+        self._bufs = [np.empty(w.shape[1], dtype=np.float32) for w, _ in self._layers]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Action logits for one observation (1-D) or a batch (2-D)."""
@@ -200,8 +202,23 @@ class MLP:
         return h
 
     def act(self, x: np.ndarray) -> int:
-        """The deterministic action: argmax of the logits."""
-        return int(np.argmax(self.logits(x)))
+        """The deterministic action for one observation: argmax of the logits.
+
+        The same arithmetic as :meth:`logits` (float32 matmul, bias, activation), written into
+        preallocated buffers because this runs once per decode step of every instance.
+        """
+        h = x if x.dtype == np.float32 else np.asarray(x, dtype=np.float32)
+        last = len(self._layers) - 1
+        for i, ((w, b), out) in enumerate(zip(self._layers, self._bufs)):
+            np.matmul(h, w, out=out)
+            np.add(out, b, out=out)
+            if i < last:
+                if self._relu:
+                    np.maximum(out, 0.0, out=out)
+                else:
+                    np.tanh(out, out=out)
+            h = out
+        return int(h.argmax())
 
 
 def _load_weights(sd: dict[str, Any], meta: PPOMeta, path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
