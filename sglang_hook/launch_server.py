@@ -189,9 +189,37 @@ def _refuse_instead_of_disabling() -> None:
     speculative_hook._maybe_disable_adaptive = refuse
 
 
+HELP = f"""usage: python -m {PROG} --spec-controller ENDPOINT [--spec-depths LIST]
+       [--spec-fallback sglang|K] [--spec-stale-ms MS] [--spec-instance NAME] <sglang args>
+
+SGLang's server with the speculation controller's hook wired in: after every decode step the
+entry rank streams a step record to the controller and applies the draft depth it answers at
+the next step, on every tensor-parallel rank alike. The hook never waits for the controller.
+
+hook options (everything else goes to sglang.launch_server unchanged):
+  --spec-controller ENDPOINT  the controller's ZeroMQ endpoint, e.g.
+                              ipc:///tmp/spec-controller.sock or tcp://127.0.0.1:5555 (required)
+  --spec-depths LIST          allowed draft depths, comma-separated, 0 = no speculation
+                              (default: {",".join(map(str, DEFAULT_DEPTHS))}); SGLang pre-builds one runtime state each
+  --spec-fallback sglang|K    what runs while no fresh decision exists: SGLang's own adaptive
+                              rule, or a fixed depth K from the list (default: {FALLBACK_SGLANG})
+  --spec-stale-ms MS          fall back once steps went unanswered this long (default: {DEFAULT_STALE_MS:g})
+  --spec-instance NAME        the replica's name in the controller's traces (default: derived
+                              from the host and port)
+
+With --speculative-algorithm EAGLE/EAGLE3 the launcher adds --speculative-adaptive and a
+generated --speculative-adaptive-config listing the depths, and refuses (exit 2) what SGLang's
+adaptive mode cannot do (other algorithms, topk != 1, attention DP, ...). Without speculation the
+hook still streams depth-0 telemetry, so traces can be recorded from any SGLang server.
+SGLang's own options: python -m sglang.launch_server --help"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the launcher; returns the exit status (2 = refused or bad flag)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(HELP)
+        return 0
     tmp_dir = tempfile.mkdtemp(prefix="specdepth-")
     atexit.register(shutil.rmtree, tmp_dir, True)
     config_path = os.path.join(tmp_dir, "adaptive.json")
