@@ -48,8 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--workload",
-        default="ramp:1,80,24@output=256",
-        help="workload spec (see `controller bench --help`); default ramps 1 → 80 req/s over 24 s",
+        default="ramp:1,40,24@output=256",
+        help="workload spec (see `controller bench --help`); default ramps 1 → 40 req/s over 24 s, well past the ~14 req/s the simulated H200 sustains",
     )
     p.add_argument(
         "--duration-s", type=float, default=30.0, help="simulated seconds to run (default: %(default)s)"
@@ -140,7 +140,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         duration_s=args.duration_s,
         action_delay=1,
     )
-    rows.append((f"{spec} (served)", replay))
+    rows.append((f"{Path(spec).name if spec.endswith('.zip') else spec} (served)", replay))
     for name in ["static:0", "static:1", "static:3", "static:5", "sglang-adaptive"]:
         res = simulate(
             params,
