@@ -90,15 +90,9 @@ def wave(port: int, n: int, tokens: int) -> None:
 
 
 def read_profile(path: Path) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {
-        "hook_ns": [],
-        "hook_cpu_ns": [],
-        "record_cpu_ns": [],
-        "polls": [],
-        "ref_cpu_ns": [],
-        "step_us": [],
-        "bs": [],
-    }
+    from sglang_hook.plugin import PROFILE_KEYS
+
+    out: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
     if path.is_file():
         for line in path.read_text().splitlines():
             rec = json.loads(line)

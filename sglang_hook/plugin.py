@@ -37,6 +37,8 @@ logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
 PROFILE_FLUSH_EVERY = 32
+# What the benchmark profiler records per decode step (bench/bench_hook.py reads the same keys).
+PROFILE_KEYS = ("hook_ns", "hook_cpu_ns", "record_cpu_ns", "polls", "ref_cpu_ns", "step_us", "bs")
 
 
 class HookRuntime:
@@ -74,15 +76,7 @@ class HookRuntime:
         self.pending_wall_ns = 0
         self.pending_cpu_ns = 0
         self.pending_polls = 0
-        self._profile: dict[str, list[int]] = {
-            "hook_ns": [],
-            "hook_cpu_ns": [],
-            "record_cpu_ns": [],
-            "polls": [],
-            "ref_cpu_ns": [],
-            "step_us": [],
-            "bs": [],
-        }
+        self._profile: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
 
     # ------------------------------------------------------------------ entry rank: controller
 
