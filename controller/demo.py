@@ -65,7 +65,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import numpy as np
 
     from controller.client import ControllerClient
-    from controller.features import Featurizer
     from controller.policy import make_factory
     from controller.protocol import Hello
     from controller.traces import summarize
@@ -112,7 +111,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             server.kill()
 
-    trace_t, trace_bs, trace_wait, trace_depth, trace_tok, actions = served
+    trace_t, trace_bs, trace_wait, trace_depth, trace_tok = served
     print(f"\n== 2. what the controller decided as load rose ({args.deployment}, {args.workload})")
     print(f"{'window':>10} {'mean bs':>8} {'waiting':>8} {'tok/s':>8}  depth mix chosen")
     edges = np.linspace(0.0, trace_t[-1], 7)
@@ -165,7 +164,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         f"{np.mean(replay.trace_depth[: len(trace_depth)] == trace_depth):.1%} of {len(trace_depth)} steps"
         + ("" if same else "  (MISMATCH: see the parity test)")
     )
-    _ = Featurizer  # the served and replayed observations both come from controller.features
 
     print(f"\n== 4. the recorded trace ({record_dir}/), ready for `controller train --traces {record_dir}`")
     print(summarize(str(record_dir)))
@@ -179,7 +177,7 @@ def _drive(client, server, params, args, engine_cls):  # type: ignore[no-untyped
     engine = engine_cls(params, args.workload)
     engine.reset(args.seed)
     pending: deque[int] = deque([DEPTHS[0]])  # one step of delay, as in simulate(action_delay=1)
-    t_s, bs, wait, depth_l, tok, actions = [], [], [], [], [], []
+    t_s, bs, wait, depth_l, tok = [], [], [], [], []
     limit_us = int(args.duration_s * 1e6)
     deadline = time.monotonic() + 60.0  # the server imports torch to load a zip: give it time
     t0 = time.monotonic()
@@ -210,10 +208,9 @@ def _drive(client, server, params, args, engine_cls):  # type: ignore[no-untyped
         wait.append(rec.waiting)
         depth_l.append(depth)
         tok.append(rec.tokens)
-        actions.append(client.depth)
     wall = time.monotonic() - t0
     print(
         f"   {len(t_s)} decode steps streamed to the controller, one decision each, in {wall:.1f} s "
         f"wall ({len(t_s) / max(wall, 1e-9):.0f} steps/s incl. the simulator)"
     )
-    return (np.asarray(t_s), np.asarray(bs), np.asarray(wait), np.asarray(depth_l), np.asarray(tok), actions)
+    return (np.asarray(t_s), np.asarray(bs), np.asarray(wait), np.asarray(depth_l), np.asarray(tok))
