@@ -56,12 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--timesteps", str(args.timesteps)]
             log = open(folder / "train.log", "w")  # noqa: SIM115 - closed after wait
             procs.append((d, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-        for d, p, log in procs:
-            rc = p.wait()
-            log.close()
-            print(f"train {d}: exit {rc} at {time.perf_counter() - t0:.0f} s", flush=True)
-            if rc:
-                return rc
+        rc = _wait_all("train", procs, t0)
+        if rc:
+            return rc
     if not args.skip_eval:
         per = max(1, args.jobs // len(deps))
         procs = []
@@ -74,13 +71,21 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--baselines", "all", "--out", str(folder / "eval"), "--jobs", str(per)]
             log = open(folder / "eval.log", "w")  # noqa: SIM115 - closed after wait
             procs.append((d, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-        for d, p, log in procs:
-            rc = p.wait()
-            log.close()
-            print(f"eval {d}: exit {rc} at {time.perf_counter() - t0:.0f} s", flush=True)
-            if rc:
-                return rc
+        rc = _wait_all("eval", procs, t0)
+        if rc:
+            return rc
     return 0
+
+
+def _wait_all(stage: str, procs: list, t0: float) -> int:  # type: ignore[type-arg]
+    """Wait for every (deployment, process, log) of a stage; the first failing exit status, else 0."""
+    first_failure = 0
+    for d, p, log in procs:
+        rc = p.wait()
+        log.close()
+        print(f"{stage} {d}: exit {rc} at {time.perf_counter() - t0:.0f} s", flush=True)
+        first_failure = first_failure or rc
+    return first_failure
 
 
 if __name__ == "__main__":
