@@ -39,6 +39,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     t.add_argument("--warm-start-rounds", type=int, default=None, help="DAgger rounds before PPO (0 = none)")
     t.add_argument("--reward", choices=("regret", "extra-tokens"), default=None, help="training reward")
     t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0 for the regret reward)")
+    t.add_argument(
+        "--drafter-mix",
+        type=float,
+        default=None,
+        help="fraction of episodes with a drafter of random quality, from useless to near perfect "
+        "(default 0.3; 0 = only the fitted acceptance)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train)
 

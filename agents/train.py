@@ -9,7 +9,8 @@ The pipeline, top to bottom:
    Featurizer's, exactly as served. Domain randomization per episode: simulator parameters
    drawn around the fit by their standard errors (``randomize``), a workload drawn from a
    broad mix (closed loop C log-uniform in 1…250, Poisson at 5–100% of capacity, ramps,
-   bursts, chat↔code acceptance phase shifts on closed and open bases), and the
+   bursts, chat↔code acceptance phase shifts on closed and open bases), in 30% of episodes a
+   drafter of random quality (from useless to near perfect: ``drafter_mix``), and the
    overlap-scheduling action delay drawn from {1, 2}.
 3. **Reward.** :class:`RegretReward` replaces the env's reward with
    ``E[rate | state, chosen depth] / max_k E[rate | state, k]`` — the fraction of the best
@@ -71,6 +72,10 @@ class TrainConfig:
         clip_range: PPO clip.
         net_arch: hidden widths of policy and value MLPs.
         randomize: domain-randomization scale (× the fit's standard errors).
+        drafter_mix: fraction of episodes with a drafter of random quality (acceptance
+            ``alpha`` uniform over ``env.gym_env.DRAFTER_ALPHA_RANGE``): a policy must still
+            stop drafting when the drafter is useless and draft deep when it is near perfect,
+            whatever the traces it was fitted to showed.
         episode_steps: decode steps per episode.
         delay: overlap-scheduling action delay range (inclusive).
         n_workloads: size of the per-episode workload pool drawn at start.
@@ -101,6 +106,7 @@ class TrainConfig:
     clip_range: float = 0.1
     net_arch: tuple[int, ...] = (64, 64)
     randomize: float = 1.0
+    drafter_mix: float = 0.3
     episode_steps: int = 1024
     delay: tuple[int, int] = (1, 2)
     n_workloads: int = 400
@@ -124,7 +130,12 @@ class TrainConfig:
         )
         if depths is not None:
             cfg = replace(cfg, depths=depths)
-        for flag, name in (("warm_start_rounds", "bc_rounds"), ("gamma", "gamma"), ("reward", "reward")):
+        for flag, name in (
+            ("warm_start_rounds", "bc_rounds"),
+            ("gamma", "gamma"),
+            ("reward", "reward"),
+            ("drafter_mix", "drafter_mix"),
+        ):
             value = getattr(args, flag, None)
             if value is not None:
                 cfg = replace(cfg, **{name: value})
@@ -132,6 +143,8 @@ class TrainConfig:
             cfg = replace(cfg, timesteps=args.timesteps)
         if args.n_envs is not None:
             cfg = replace(cfg, n_envs=args.n_envs)
+        if not 0.0 <= cfg.drafter_mix <= 1.0:
+            raise ConfigError(f"--drafter-mix must be in [0, 1], got {cfg.drafter_mix}")
         if not cfg.out.name.endswith(".zip"):
             raise ConfigError(f"--out must name a .zip file, got {str(cfg.out)!r}")
         return cfg
@@ -184,7 +197,12 @@ def fitted_params(cfg: TrainConfig) -> tuple[Any, str]:
 
 
 def capacity_req_s(params: Any, depths: tuple[int, ...]) -> float:
-    """Requests/s the deployment sustains without speculation at full concurrency."""
+    """Requests/s the deployment sustains without speculation at full concurrency.
+
+    Measured as output tokens/s at full concurrency over the workload's mean output length,
+    not as completions in the window: with long outputs few requests finish in 20 s, and
+    counting them would put every Poisson workload of the pool far below real load.
+    """
     from controller.policy import StaticPolicy
     from env.runner import simulate
 
@@ -192,7 +210,10 @@ def capacity_req_s(params: Any, depths: tuple[int, ...]) -> float:
     res = simulate(
         params, f"closed:{cap}", StaticPolicy(depths[0], depths), depths=depths, seed=0, duration_s=20.0
     )
-    return res.n_requests / max(res.duration_s, 1e-9) if res.n_requests else 1.0
+    wp = params.workload
+    draws = wp.output_median_tokens * np.exp(wp.output_sigma * np.random.default_rng(0).standard_normal(4096))
+    mean_out = float(np.clip(draws, wp.output_min_tokens, wp.output_max_tokens).mean())
+    return res.throughput_tok_s / mean_out if res.tokens else 1.0
 
 
 def workload_pool(rng: np.random.Generator, capacity: float, n: int, max_c: int = 250) -> list[str]:
@@ -274,6 +295,7 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig):
         depths=cfg.depths,
         action_delay=cfg.delay,
         randomize=cfg.randomize,
+        drafter_mix=cfg.drafter_mix,
         episode_steps=cfg.episode_steps,
     )
     if cfg.reward not in ("regret", "extra-tokens"):
@@ -492,7 +514,8 @@ def _report(
         "",
         f"- simulator: {source} (written as sim.json); capacity ≈ {capacity:.2f} req/s",
         f"- depths {list(cfg.depths)}; seed {cfg.seed}; net {list(cfg.net_arch)} tanh",
-        f"- domain randomization ×{cfg.randomize} of the fit's standard errors; {cfg.n_workloads} workloads; "
+        f"- domain randomization ×{cfg.randomize} of the fit's standard errors; drafter of random quality in "
+        f"{cfg.drafter_mix:.0%} of episodes; {cfg.n_workloads} workloads; "
         f"action delay {cfg.delay[0]}–{cfg.delay[1]} steps",
         f"- wall time {wall:.0f} s (warm start {t_bc:.0f} s, PPO {wall - t_bc:.0f} s for {cfg.timesteps} steps)",
         "",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import gymnasium as gym
@@ -18,6 +19,13 @@ from env.params import SimParams
 from env.runner import DEFAULT_DEPTHS
 
 OBS_BOUND = 10.0
+# Drafter quality for ``drafter_mix`` episodes: the acceptance model's base logit ``alpha``
+# drawn uniformly from here — from a useless drafter (sigmoid(-6) ≈ 0.0025 per position, like
+# a draft model for the wrong target) to a near-perfect one (sigmoid(5) ≈ 0.993).
+DRAFTER_ALPHA_RANGE = (-6.0, 5.0)
+# ... and the spread across requests (``sigma``, logits) log-uniform here: a fit pooled over
+# different drafters has a huge sigma that no single drafter shows.
+DRAFTER_SIGMA_RANGE = (0.2, 2.0)
 
 
 class SpecDecodeEnv(gym.Env):
@@ -67,6 +75,10 @@ class SpecDecodeEnv(gym.Env):
     - ``depths``: allowed depths, strictly increasing, starting at 0.
     - ``action_delay``: int, or ``(lo, hi)`` to draw per episode (inclusive).
     - ``randomize``: domain-randomization scale over the fit's standard errors (0 = off).
+    - ``drafter_mix``: fraction of episodes whose drafter quality (acceptance ``alpha``) is
+      drawn uniformly from ``DRAFTER_ALPHA_RANGE`` and its spread across requests log-uniformly
+      from ``DRAFTER_SIGMA_RANGE``, instead of the fit's, so that a policy has
+      also seen drafters far better or worse than the one it was fitted to (0 = off).
     - ``episode_steps``: steps per episode.
     - ``reward_scale``: tokens per unit reward.
 
@@ -76,7 +88,7 @@ class SpecDecodeEnv(gym.Env):
     ``info`` holds ``step`` (the record), ``depth``, ``tokens``, ``busy_us``, ``now_us``.
 
     ## Version History
-    - v0: first version (Featurizer version 1).
+    - v0: first version (Featurizer version 1); ``drafter_mix`` added (off by default).
     """
 
     metadata = {"render_modes": []}
@@ -88,6 +100,7 @@ class SpecDecodeEnv(gym.Env):
         depths: Sequence[int] = DEFAULT_DEPTHS,
         action_delay: int | tuple[int, int] = 1,
         randomize: float = 0.0,
+        drafter_mix: float = 0.0,
         episode_steps: int = 2048,
         reward_scale: float = 32.0,
     ) -> None:
@@ -105,6 +118,9 @@ class SpecDecodeEnv(gym.Env):
         if self.delay_range[0] < 1 or self.delay_range[1] < self.delay_range[0]:
             raise ConfigError(f"action_delay must be >= 1 (or a range lo <= hi): {action_delay}")
         self.randomize = float(randomize)
+        if not 0.0 <= drafter_mix <= 1.0:
+            raise ConfigError(f"drafter_mix must be in [0, 1], got {drafter_mix}")
+        self.drafter_mix = float(drafter_mix)
         self.episode_steps = int(episode_steps)
         self.reward_scale = float(reward_scale)
         self.featurizer = Featurizer(self.depths)
@@ -127,6 +143,11 @@ class SpecDecodeEnv(gym.Env):
         params = resolve(options["deployment"]) if "deployment" in options else self.base_params
         if self.randomize > 0.0:
             params = params.perturb(rng, self.randomize)
+        if self.drafter_mix > 0.0 and rng.random() < self.drafter_mix:
+            alpha = float(rng.uniform(*DRAFTER_ALPHA_RANGE))
+            lo, hi = np.log(DRAFTER_SIGMA_RANGE)
+            sigma = float(np.exp(rng.uniform(lo, hi)))
+            params = replace(params, acceptance=replace(params.acceptance, alpha=alpha, sigma=sigma))
         if "workload" in options:
             wl = str(options["workload"])
         elif "concurrency" in options:

@@ -153,3 +153,29 @@ def test_train_from_traces_fits_the_simulator_first(tmp_path):
     assert (out.parent / "fit_report.txt").read_text().startswith("fit report")
     assert json.loads((out.parent / "sim.json").read_text())["name"] == "fitted"
     load_ppo_factory(out, (0, 1, 2, 3, 5))
+
+
+def test_drafter_mix_draws_drafters_across_the_quality_range():
+    from env.gym_env import DRAFTER_ALPHA_RANGE, DRAFTER_SIGMA_RANGE, SpecDecodeEnv
+
+    fitted = SpecDecodeEnv(deployment="h200-llama8b").base_params.acceptance
+    env = SpecDecodeEnv(deployment="h200-llama8b", drafter_mix=1.0, episode_steps=4)
+    alphas, sigmas = [], []
+    for seed in range(40):
+        env.reset(seed=seed)
+        assert env.engine is not None
+        ap = env.engine.params.acceptance
+        alphas.append(ap.alpha)
+        sigmas.append(ap.sigma)
+    assert DRAFTER_ALPHA_RANGE[0] <= min(alphas) and max(alphas) <= DRAFTER_ALPHA_RANGE[1]
+    assert DRAFTER_SIGMA_RANGE[0] <= min(sigmas) and max(sigmas) <= DRAFTER_SIGMA_RANGE[1]
+    # Both a near-useless and a near-perfect drafter show up, and the draw is the seed's.
+    assert min(alphas) < -3.0 and max(alphas) > 2.5
+    env.reset(seed=7)
+    again = env.engine.params.acceptance.alpha  # type: ignore[union-attr]
+    assert again == alphas[7]
+    off = SpecDecodeEnv(deployment="h200-llama8b", episode_steps=4)
+    off.reset(seed=3)
+    assert off.engine is not None and off.engine.params.acceptance == fitted
+    with pytest.raises(Exception, match="drafter_mix"):
+        SpecDecodeEnv(deployment="h200-llama8b", drafter_mix=1.5)

@@ -174,6 +174,51 @@ def copy_traces(folders: list[tuple[str, Path]], dest_root: Path) -> dict[str, P
     return out
 
 
+def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
+    """The hook's own time per decode step inside the GPU scheduler (``hookprof_<level>.jsonl``)."""
+
+    def pct(v: list[float], q: float) -> float:
+        v = sorted(v)
+        return v[min(len(v) - 1, int(q * len(v)))]
+
+    rows = []
+    for call, folder in folders:
+        for f in sorted(folder.glob("hookprof_*.jsonl")):
+            prof: dict[str, list[int]] = {}
+            for line in f.read_text().splitlines():
+                for k, v in json.loads(line).items():
+                    if isinstance(v, list):
+                        prof.setdefault(k, []).extend(v)
+            if not prof.get("hook_ns"):
+                continue
+            wall = [x / 1000 for x in prof["hook_ns"]]
+            cpu = [x / 1000 for x in prof["hook_cpu_ns"]]
+            step = [float(x) for x in prof["step_us"] if x > 0]
+            rows.append(
+                {
+                    "call": call,
+                    "level": f.stem.removeprefix("hookprof_"),
+                    "steps": len(wall),
+                    "wall_p50_us": pct(wall, 0.5),
+                    "wall_p99_us": pct(wall, 0.99),
+                    "cpu_p50_us": pct(cpu, 0.5),
+                    "cpu_p99_us": pct(cpu, 0.99),
+                    "ref_cpu_p50_us": pct([x / 1000 for x in prof["ref_cpu_ns"]], 0.5),
+                    "step_p50_us": pct(step, 0.5) if step else float("nan"),
+                }
+            )
+    lines = ["### the hook's time per decode step, inside the GPU scheduler (entry rank)", "",
+             "| call | level | steps | wall p50 / p99 µs | CPU p50 / p99 µs | step p50 µs | hook / step |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"| {r['call']} | {r['level']} | {r['steps']} | {r['wall_p50_us']:.1f} / {r['wall_p99_us']:.1f} | "
+            f"{r['cpu_p50_us']:.1f} / {r['cpu_p99_us']:.1f} | {r['step_p50_us']:.0f} | "
+            f"{100 * r['wall_p50_us'] / r['step_p50_us']:.2f}% |"
+        )
+    return lines + [""], rows
+
+
 def controller(*args: str) -> str:
     p = subprocess.run(
         [sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True, cwd=REPO
@@ -301,7 +346,7 @@ def main() -> int:
         ],
         "runs": runs,
     }
-    md = []
+    md, result["hook_cost"] = hook_cost(folders)
     for level in levels:
         for call in calls:
             if any(m["server"] == level and m["call"] == call for m in runs):

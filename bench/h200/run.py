@@ -465,6 +465,7 @@ def policy_runs(
             hook_lines=[ln for ln in lines if "spec controller" in ln][:6],
             sglang_rule_lines=[ln for ln in lines if "Adaptive spec params updated" in ln][:4],
         )
+        res.flush()  # a call cut short by its time limit still returns every finished policy
 
 
 def wait_flowing(server: Server, ctl: Controller, timeout_s: float = 20.0) -> None:
@@ -535,7 +536,11 @@ def level_run(
     spec = hook_server(level, draft)
     server = Server(spec, port)
     tic = time.time()
-    server.start(_env())
+    env = _env()
+    # The hook's own cost per decode step, timed inside the real scheduler (entry rank): the
+    # same profiler as bench/bench_hook.py, here with CUDA graphs and EAGLE-3 on a GPU.
+    env["SPECDEPTH_PROFILE_OUT"] = str(RES / f"hookprof_{level}.jsonl")
+    server.start(env)
     ok, why = server.wait_ready(min(400.0, max(10.0, deadline - time.time())))
     start_s = round(time.time() - tic, 1)
     log(f"server {level}: {why} after {start_s}s")
@@ -610,6 +615,16 @@ def main() -> int:
     parser.add_argument("--collect", action="store_true", help="only pack what a warm machine kept")
     parser.add_argument("--no-kill9", action="store_true", help="skip the kill -9 test")
     parser.add_argument("--scale", type=int, default=1, help="requests per point x this (longer points)")
+    parser.add_argument(
+        "--baselines",
+        default="static:0,static:1,static:3,static:5,sglang-adaptive",
+        help="baseline policies timed after --policies, in this order (static:K, sglang-adaptive)",
+    )
+    parser.add_argument(
+        "--repeat-first",
+        action="store_true",
+        help="time the first --policies entry again after the baselines (as NAME-again): shows drift",
+    )
     args = parser.parse_args()
 
     if args.collect:
@@ -635,8 +650,10 @@ def main() -> int:
         if built and res.data.get("imports_ok"):
             # Extra policies (the controller's PPO zip) first: they matter most if time runs out.
             policies = [tuple(x.split("=", 1)) for x in filter(None, args.policies.split(","))]
-            policies += [(f"static:{d}", f"builtin:static:{d}") for d in DEPTHS]
-            policies.append(("sglang-adaptive", "sglang"))
+            for name in filter(None, args.baselines.split(",")):
+                policies.append((name, "sglang" if name == "sglang-adaptive" else f"builtin:{name}"))
+            if args.repeat_first and args.policies:
+                policies.append((policies[0][0] + "-again", policies[0][1]))
             levels = [tuple(x.split("=", 1)) for x in args.levels.split(",")]
             full(res, deadline, policies, levels, no_kill9=args.no_kill9)  # type: ignore[arg-type]
     finally:
