@@ -6,9 +6,10 @@ world the way it will see it in production. Everything here is computed from the
 alone — nothing the live hook cannot observe (no true output lengths, no true acceptance
 rates) can enter an observation.
 
-Cost: O(|depths| + max depth) per record plus one pass over ``accept`` (C-level
-``list.count``), independent of history. Deterministic: the same records give the same
-observations, bit for bit.
+Cost: O(|depths| + max depth) per record plus one pass over ``accept``, independent of
+history: one call of a kernel over a float64 state array, compiled by numba when installed
+(:mod:`controller._jit`; the same source runs as plain Python without it, slower, with the
+same results). Deterministic: the same records give the same observations, bit for bit.
 
 Observation (float32), with D = the allowed depths and K = max(D):
 
@@ -45,6 +46,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from controller._jit import maybe_njit
 from controller.protocol import Step
 
 FEATURIZER_VERSION = 2
@@ -67,13 +69,33 @@ _INV_LOG_PREFILL = 1.0 / math.log1p(8192.0)
 _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 
 
+# Layout of the state array: scalars first, then the per-position and per-depth tables.
+_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST = range(9)
+_HEAD = 9
+_NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
+
+
 def bs_bucket(bs: int) -> int:
     """Index of the latency-table bucket of a batch size."""
     return min(max(bs, 1).bit_length() - 1, N_BS_BUCKETS - 1)
 
 
+def _offsets(n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """Start of ``acc``, ``tried`` (k + 1 each), ``lat`` (N_BS_BUCKETS × n), ``ratio``,
+    ``last_seen`` (n each) in the state array, and its length."""
+    acc = _HEAD
+    tried = acc + k + 1
+    lat = tried + k + 1
+    ratio = lat + N_BS_BUCKETS * n
+    seen = ratio + n
+    return acc, tried, lat, ratio, seen, seen + n
+
+
 class Featurizer:
     """Turns one instance's ``step`` records into observations (see module docstring).
+
+    All state lives in one float64 array (step counts are exact there below 2**53) that the
+    kernel :func:`_fold` updates in place; the methods below only read it.
 
     Args:
         depths: the allowed draft depths, strictly increasing (0 = no speculation).
@@ -93,6 +115,7 @@ class Featurizer:
         self.depths = depths
         self.max_depth = depths[-1]
         self._depth_index = {d: i for i, d in enumerate(depths)}
+        self._depths = np.array(depths, dtype=np.int64)
         n = len(depths)
         k = self.max_depth
         self.feature_names: list[str] = [
@@ -115,33 +138,47 @@ class Featurizer:
         self.feature_names += [f"goodput_{d}" for d in depths]
         self.obs_dim = len(self.feature_names)
         self._n = n
+        self._off = _offsets(n, k)
         self.reset()
 
     def reset(self) -> None:
         """Forget everything: a new instance, or a new episode."""
-        k = self.max_depth
-        self.steps = 0
-        self._acc = [0.0] * (k + 1)  # decayed count of requests that accepted position i
-        self._tried = [0.0] * (k + 1)  # decayed count of requests that reached position i
-        self._lat = [[0.0] * self._n for _ in range(N_BS_BUCKETS)]  # EMA step_us; 0 = unknown
-        self._ratio = [1.0] + [0.0] * (self._n - 1)  # EMA of latency / smallest-depth latency
-        self._last_seen = [-(10**9)] * self._n
-        self._last_spec = -(10**9)
-        self._step_ms = 0.0
-        self._prefill = 0.0
-        self._bs_fast = self._bs_slow = 0.0
-        self._acc_fast = self._acc_slow = 0.0
-        self._last: Step | None = None
-        self._accept_block: tuple[list[float], list[float]] | None = None
+        acc, _, lat, ratio, seen, size = self._off
+        st = np.zeros(size, dtype=np.float64)
+        # acc/tried: decayed counts of requests that accepted/reached position i; lat: EMA of
+        # step_us per (bs bucket, depth), 0 = unknown; ratio: EMA of latency / smallest-depth
+        # latency; seen: step index at which each depth was last observed.
+        st[_LAST_SPEC] = _NEVER
+        st[ratio] = 1.0
+        st[seen:] = _NEVER
+        self._state = st
 
     # ------------------------------------------------------------------ estimates
 
+    @property
+    def steps(self) -> int:
+        """Records folded in since the last reset."""
+        return int(self._state[_T])
+
+    @property
+    def _acc(self) -> np.ndarray:
+        return self._state[self._off[0] : self._off[1]]
+
+    @property
+    def _tried(self) -> np.ndarray:
+        return self._state[self._off[1] : self._off[2]]
+
+    def _lat_row(self, bs: int) -> np.ndarray:
+        lat = self._off[2] + bs_bucket(bs) * self._n
+        return self._state[lat : lat + self._n]
+
     def accept_prob(self, position: int) -> float:
         """Recent conditional acceptance of draft position ``position`` (1-based)."""
-        w = STALE_DECAY ** (self.steps - self._last_spec) if self.steps > self._last_spec else 1.0
-        return (w * self._acc[position] + PRIOR_ACCEPT * PRIOR_WEIGHT) / (
-            w * self._tried[position] + PRIOR_WEIGHT
-        )
+        st = self._state
+        age = st[_T] - st[_LAST_SPEC]
+        w = STALE_DECAY ** float(age) if age > 0 else 1.0
+        acc, tried = float(self._acc[position]), float(self._tried[position])
+        return (w * acc + PRIOR_ACCEPT * PRIOR_WEIGHT) / (w * tried + PRIOR_WEIGHT)
 
     def expected_tokens(self, depth: int) -> float:
         """Expected tokens one request emits in a step at ``depth``: 1 + Σ_i Π_{j≤i} p_j."""
@@ -153,7 +190,7 @@ class Featurizer:
 
     def latency_us(self, depth: int, bs: int) -> float:
         """Recent step time at ``depth`` in the batch-size bucket of ``bs``; 0.0 if never seen."""
-        return self._lat[bs_bucket(bs)][self._depth_index[depth]]
+        return float(self._lat_row(bs)[self._depth_index[depth]])
 
     def latency_ratio(self, depth: int, bs: int) -> float | None:
         """Step time at ``depth`` / at the smallest depth (0 = no speculation).
@@ -162,10 +199,10 @@ class Featurizer:
         ratio measured in any bucket where both were known; None if never measured.
         """
         i = self._depth_index[depth]
-        row = self._lat[bs_bucket(bs)]
+        row = self._lat_row(bs)
         if row[i] > 0.0 and row[0] > 0.0:
-            return row[i] / row[0]
-        r = self._ratio[i]
+            return float(row[i] / row[0])
+        r = float(self._state[self._off[3] + i])
         return r if r > 0.0 else None
 
     # ------------------------------------------------------------------ update
@@ -173,111 +210,167 @@ class Featurizer:
     def update(self, step: Step) -> np.ndarray:
         """Fold one record in and return the observation (a fresh float32 array).
 
-        Written as one flat pass because it runs on the controller's hot path and inside every
-        simulator step; the acceptance block is recomputed only when a speculative step brings
-        new evidence.
+        Raises:
+            ValueError: a speculative record deeper than the deepest allowed depth.
         """
-        depth, bs, step_us = step.depth, step.bs, step.step_us
-        self.steps = t = self.steps + 1
-        di = self._depth_index.get(depth)
-        b = bs.bit_length() - 1
-        row = self._lat[b if b < N_BS_BUCKETS else N_BS_BUCKETS - 1]
+        accept = step.accept
+        try:
+            # A bytearray is the cheapest array numba accepts from a list of small ints;
+            # records of depth <= 255 always fit (accept entries are 0..depth).
+            acc_arr: bytearray | np.ndarray = bytearray(accept)
+        except ValueError:
+            acc_arr = np.array(accept, dtype=np.int64)
+        return _fold(
+            self._state,
+            self._depths,
+            acc_arr,
+            step.depth,
+            step.bs,
+            step.waiting,
+            step.step_us,
+            step.ctx_tokens,
+            float(step.kv_usage),
+            step.prefill_tokens,
+        )
 
-        if depth > 0 and step.accept:
-            # A request that accepted a of d drafts reached positions 1..min(a+1, d) and
-            # accepted 1..a. Decay per speculative step, so "recent" means recent batches.
-            acc, tried, accept = self._acc, self._tried, step.accept
-            for i in range(1, self.max_depth + 1):
-                acc[i] *= ACCEPT_DECAY
-                tried[i] *= ACCEPT_DECAY
-            n_ge = bs  # requests with accept >= i-1, starting at i = 1
-            for i in range(1, depth + 1):
-                tried[i] += n_ge
-                n_ge -= accept.count(i - 1)
-                acc[i] += n_ge
-            mean_frac = sum(accept) / (bs * depth)
-            self._acc_fast += FAST * (mean_frac - self._acc_fast)
-            self._acc_slow += SLOW * (mean_frac - self._acc_slow)
-            self._last_spec = t
-            self._accept_block = None
 
-        # Latency table per (bs bucket, depth); EMA so drift is followed.
-        if di is not None and step_us > 0:
-            old = row[di]
-            row[di] = float(step_us) if old == 0.0 else old + LAT_ALPHA * (step_us - old)
-            if di and row[0] > 0.0:
-                r, sample = self._ratio[di], step_us / row[0]
-                self._ratio[di] = sample if r == 0.0 else r + LAT_ALPHA * (sample - r)
-            self._last_seen[di] = t
+@maybe_njit
+def _clip2(x: float) -> float:
+    return 2.0 if x > 2.0 else -2.0 if x < -2.0 else x
 
-        bs_f = math.log1p(bs) * _INV_LOG_257
-        if self._last is None:
-            self._step_ms = step_us / 1000.0
-            self._prefill = float(step.prefill_tokens)
-            self._bs_fast = self._bs_slow = bs_f
+
+@maybe_njit
+def _fold(
+    st: np.ndarray,
+    depths: np.ndarray,
+    accept: bytearray | np.ndarray,
+    depth: int,
+    bs: int,
+    waiting: int,
+    step_us: int,
+    ctx_tokens: int,
+    kv_usage: float,
+    prefill_tokens: int,
+) -> np.ndarray:
+    """Fold one record into the state array ``st`` and return the observation.
+
+    ``accept`` holds the record's accepted drafts (uint8 or int64); ``depths`` the allowed
+    depths. The order of every floating-point operation is part of the observation's
+    definition (policies are trained on these exact values): change it only with
+    ``FEATURIZER_VERSION``.
+    """
+    n = len(depths)
+    k = depths[n - 1]
+    o_acc = _HEAD
+    o_tried = o_acc + k + 1
+    o_lat = o_tried + k + 1
+    o_ratio = o_lat + N_BS_BUCKETS * n
+    o_seen = o_ratio + n
+    t = st[_T] + 1.0
+    st[_T] = t
+    di = -1
+    for i in range(n):
+        if depths[i] == depth:
+            di = i
+    b = 0
+    x = bs
+    while x > 1 and b < N_BS_BUCKETS - 1:
+        x >>= 1
+        b += 1
+    if bs < 1:
+        b = N_BS_BUCKETS - 1
+    o_row = o_lat + b * n
+
+    if depth > 0 and len(accept) > 0:
+        if depth > k:
+            raise ValueError("a speculative record deeper than the deepest allowed depth")
+        # A request that accepted a of d drafts reached positions 1..min(a+1, d) and accepted
+        # 1..a. Decay per speculative step, so "recent" means recent batches.
+        for i in range(1, k + 1):
+            st[o_acc + i] *= ACCEPT_DECAY
+            st[o_tried + i] *= ACCEPT_DECAY
+        count = np.zeros(depth + 1, dtype=np.int64)
+        total = 0
+        for a in accept:
+            total += a
+            if 0 <= a <= depth:
+                count[a] += 1
+        n_ge = bs  # requests with accept >= i-1, starting at i = 1
+        for i in range(1, depth + 1):
+            st[o_tried + i] += n_ge
+            n_ge -= count[i - 1]
+            st[o_acc + i] += n_ge
+        mean_frac = total / (bs * depth)
+        st[_ACC_FAST] += FAST * (mean_frac - st[_ACC_FAST])
+        st[_ACC_SLOW] += SLOW * (mean_frac - st[_ACC_SLOW])
+        st[_LAST_SPEC] = t
+
+    # Latency table per (bs bucket, depth); EMA so drift is followed.
+    if di >= 0 and step_us > 0:
+        old = st[o_row + di]
+        st[o_row + di] = float(step_us) if old == 0.0 else old + LAT_ALPHA * (step_us - old)
+        if di > 0 and st[o_row] > 0.0:
+            r = st[o_ratio + di]
+            sample = step_us / st[o_row]
+            st[o_ratio + di] = sample if r == 0.0 else r + LAT_ALPHA * (sample - r)
+        st[o_seen + di] = t
+
+    bs_f = math.log1p(bs) * _INV_LOG_257
+    if st[_HAS_LAST] == 0.0:
+        st[_HAS_LAST] = 1.0
+        st[_STEP_MS] = step_us / 1000.0
+        st[_PREFILL] = float(prefill_tokens)
+        st[_BS_FAST] = bs_f
+        st[_BS_SLOW] = bs_f
+    else:
+        st[_STEP_MS] += FAST * (step_us / 1000.0 - st[_STEP_MS])
+        st[_PREFILL] += FAST * (prefill_tokens - st[_PREFILL])
+        st[_BS_FAST] += FAST * (bs_f - st[_BS_FAST])
+        st[_BS_SLOW] += SLOW * (bs_f - st[_BS_SLOW])
+
+    out = np.zeros(10 + 2 * n + k + 3 * n, dtype=np.float32)
+    out[0] = bs_f
+    out[1] = math.log1p(waiting) * _INV_LOG_257
+    out[2] = waiting / (bs + waiting)
+    out[3] = math.log1p(ctx_tokens / bs) * _INV_LOG_CTX
+    out[4] = kv_usage
+    out[5] = math.log1p(st[_PREFILL]) * _INV_LOG_PREFILL
+    out[6] = math.log1p(st[_STEP_MS]) * _INV_LOG_MS
+    out[7] = st[_BS_FAST] - st[_BS_SLOW]
+    out[8] = st[_ACC_FAST] - st[_ACC_SLOW]
+    out[9] = 1.0 - math.exp((st[_LAST_SPEC] - t) * 0.02)
+    if di >= 0:
+        out[10 + di] = 1.0
+
+    # Acceptance per position (evidence ages while nothing is drafted), expected tokens.
+    o = 10 + n
+    pw = PRIOR_ACCEPT * PRIOR_WEIGHT
+    age = t - st[_LAST_SPEC]
+    s = STALE_DECAY**age if age > 0 else 1.0
+    cum = np.empty(k + 1, dtype=np.float64)
+    cum[0] = 1.0
+    run = 1.0
+    for i in range(1, k + 1):
+        if age > 0:
+            p = (s * st[o_acc + i] + pw) / (s * st[o_tried + i] + PRIOR_WEIGHT)
         else:
-            self._step_ms += FAST * (step_us / 1000.0 - self._step_ms)
-            self._prefill += FAST * (step.prefill_tokens - self._prefill)
-            self._bs_fast += FAST * (bs_f - self._bs_fast)
-            self._bs_slow += SLOW * (bs_f - self._bs_slow)
-        self._last = step
+            p = (st[o_acc + i] + pw) / (st[o_tried + i] + PRIOR_WEIGHT)
+        out[o + i - 1] = p
+        run *= p
+        cum[i] = cum[i - 1] + run
+    o += k
+    for i in range(n):
+        out[o + i] = cum[depths[i]] / (depths[i] + 1)
+    o += n
 
-        waiting = step.waiting
-        out = [
-            bs_f,
-            math.log1p(waiting) * _INV_LOG_257,
-            waiting / (bs + waiting),
-            math.log1p(step.ctx_tokens / bs) * _INV_LOG_CTX,
-            step.kv_usage,
-            math.log1p(self._prefill) * _INV_LOG_PREFILL,
-            math.log1p(self._step_ms) * _INV_LOG_MS,
-            self._bs_fast - self._bs_slow,
-            self._acc_fast - self._acc_slow,
-            1.0 - math.exp((self._last_spec - t) * 0.02),
-        ]
-        onehot = [0.0] * self._n
-        if di is not None:
-            onehot[di] = 1.0
-        out += onehot
-
-        block = self._accept_block
-        if block is None or self._last_spec != t:  # new evidence, or evidence ageing
-            block = self._accept_block = self._acceptance_features()
-        probs_and_tokens, tokens = block
-        out += probs_and_tokens
-
-        # Latency ratio per depth: current bucket if both known, else the running ratio.
-        lat_feats, good_feats = [], []
-        base_tok, lat0 = tokens[0], row[0]
-        ratio, log = self._ratio, math.log
-        for i in range(self._n):
-            r = row[i] / lat0 if row[i] > 0.0 and lat0 > 0.0 else ratio[i]
-            if r > 0.0:
-                x = log(r)
-                lat_feats.append(2.0 if x > 2.0 else -2.0 if x < -2.0 else x)
-                g = log(tokens[i] / base_tok / r)
-                good_feats.append(2.0 if g > 2.0 else -2.0 if g < -2.0 else g)
-            else:
-                lat_feats.append(0.0)
-                good_feats.append(0.0)
-        out += lat_feats
-        out += [1.0 - math.exp((seen - t) * 0.005) for seen in self._last_seen]
-        out += good_feats
-        return np.array(out, dtype=np.float32)
-
-    def _acceptance_features(self) -> tuple[list[float], list[float]]:
-        """``p_accept_i`` and ``tokens_k / (k+1)`` features, and expected tokens per depth."""
-        acc, tried, w, pw = self._acc, self._tried, PRIOR_WEIGHT, PRIOR_ACCEPT * PRIOR_WEIGHT
-        age = self.steps - self._last_spec
-        if age > 0:  # evidence ages while nothing is drafted
-            s = STALE_DECAY**age
-            probs = [(s * acc[i] + pw) / (s * tried[i] + w) for i in range(1, self.max_depth + 1)]
-        else:
-            probs = [(acc[i] + pw) / (tried[i] + w) for i in range(1, self.max_depth + 1)]
-        cum = [1.0] * (self.max_depth + 1)
-        run = 1.0
-        for i, p in enumerate(probs, start=1):
-            run *= p
-            cum[i] = cum[i - 1] + run
-        tokens = [cum[d] for d in self.depths]
-        return probs + [tok / (d + 1) for tok, d in zip(tokens, self.depths)], tokens
+    # Latency ratio per depth: current bucket if both known, else the running ratio.
+    base_tok = cum[depths[0]]
+    lat0 = st[o_row]
+    for i in range(n):
+        li = st[o_row + i]
+        r = li / lat0 if li > 0.0 and lat0 > 0.0 else st[o_ratio + i]
+        if r > 0.0:
+            out[o + i] = _clip2(math.log(r))
+            out[o + 2 * n + i] = _clip2(math.log(cum[depths[i]] / base_tok / r))
+        out[o + n + i] = 1.0 - math.exp((st[o_seen + i] - t) * 0.005)
+    return out

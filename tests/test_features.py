@@ -203,7 +203,8 @@ def test_acceptance_evidence_ages_back_to_the_prior_while_nothing_is_drafted() -
     assert obs[f.feature_names.index("p_accept_1")] == pytest.approx(f.accept_prob(1), rel=1e-6)
     # One speculative step brings fresh evidence at full weight again.
     f.update(step(231, 1, [1] * 8, bs=8))
-    assert f.steps - f._last_spec == 0
+    acc, tried = f._acc[1], f._tried[1]
+    assert f.accept_prob(1) == (acc + PRIOR_ACCEPT * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
 
 @pytest.mark.parametrize("true_p", [0.3, 0.8])

@@ -1,0 +1,49 @@
+"""Optional numba compilation of the few hot loops (Featurizer, simulator decode step).
+
+The hot loops are written once, as plain Python over numpy arrays and scalars that numba can
+compile. :func:`maybe_njit` compiles them when numba is importable (the ``serve``, ``train``
+and ``dev`` extras install it) and returns them unchanged otherwise, so the core install (the
+SGLang hook, which never imports these modules' kernels) needs no compiler and every caller
+runs the same source either way. ``SPECDEPTH_NO_JIT=1`` (or numba's own
+``NUMBA_DISABLE_JIT=1``) forces the plain-Python path, e.g. to check that both agree.
+
+Compiled functions are cached on disk (``cache=True``): the first process compiles them once
+(a few seconds), later processes load the machine code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _numba() -> Any | None:
+    if os.environ.get("SPECDEPTH_NO_JIT", "").strip() not in ("", "0"):
+        return None
+    try:
+        import numba
+    except ImportError:
+        return None
+    return None if numba.config.DISABLE_JIT else numba
+
+
+_NUMBA = _numba()
+
+JIT_ENABLED: bool = _NUMBA is not None
+"""True when :func:`maybe_njit` compiles (numba importable and not disabled)."""
+
+
+def maybe_njit(fn: F) -> F:
+    """``numba.njit(cache=True)`` when :data:`JIT_ENABLED`, else ``fn`` itself.
+
+    A decorated function must be valid numba nopython code *and* correct plain Python: no
+    Python objects beyond numpy arrays, numbers, tuples, bytearrays and other such functions.
+    Integer powers are written as float powers (``x ** float(k)``) so both paths call the C
+    library's ``pow`` and agree bit for bit.
+    """
+    if _NUMBA is None:
+        return fn
+    return _NUMBA.njit(cache=True)(fn)  # type: ignore[no-any-return]
