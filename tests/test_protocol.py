@@ -7,6 +7,7 @@ The codes that need the service's state (``unknown_instance``, ``wrong_direction
 from __future__ import annotations
 
 import math
+import random
 import subprocess
 import sys
 from typing import Any
@@ -32,13 +33,18 @@ from controller.protocol import (
     ProtocolError,
     Step,
     Welcome,
+    _instance,
+    _int,
     check_step,
     decode,
     encode,
     from_wire,
     pack,
+    parse_decision,
+    parse_step,
     unpack,
 )
+from controller.protocol import _parse_step_checked as parse_step_checked
 
 
 def good_step(**over: Any) -> dict[str, Any]:
@@ -258,6 +264,59 @@ def test_controller_to_hook_messages_validate() -> None:
 
 
 # --------------------------------------------------------------------------- checks needing state
+
+
+def _outcome(parse: Any, wire: dict[str, Any]) -> Any:
+    try:
+        return parse(wire)
+    except ProtocolError as exc:
+        return exc.code
+
+
+def test_step_fast_path_agrees_with_the_rule_by_rule_parser() -> None:
+    """parse_step's one-pass fast path accepts exactly what the per-field checks accept."""
+    rng = random.Random(5)
+    odd = [None, True, False, -1, 0, 1, 2, 3, 255, 256, 2**40, 2**63, 1.0, 0.5, math.nan, "1", b"1", [], [1]]
+    fields = list(good_step())
+    fast_hits = 0
+    for n in range(20_000):
+        depth = rng.choice((0, 1, 3, MAX_DEPTH))
+        bs = rng.randint(1, 6)
+        wire = good_step(
+            depth=depth, bs=bs, accept=[rng.randint(0, depth) for _ in range(bs)] if depth else []
+        )
+        for _ in range(rng.choice((0, 0, 1, 2))):  # mutate a field, or an accept entry
+            key = rng.choice(fields)
+            if key == "accept" and type(wire.get("accept")) is list and wire["accept"] and rng.random() < 0.7:
+                wire["accept"] = list(wire["accept"])
+                wire["accept"][rng.randrange(len(wire["accept"]))] = rng.choice(odd)
+            elif rng.random() < 0.1:
+                wire.pop(key, None)
+            else:
+                wire[key] = rng.choice(odd)
+        got, want = _outcome(parse_step, wire), _outcome(parse_step_checked, wire)
+        assert got == want, (n, wire)
+        fast_hits += isinstance(got, Step)
+    assert fast_hits > 5_000  # the valid share really went through (and agreed with) both
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"instance": "a", "seq": 1, "depth": 2},
+        {"instance": "", "seq": 1, "depth": 2},
+        {"instance": "a", "seq": True, "depth": 2},
+        {"instance": "a", "seq": 1, "depth": MAX_DEPTH + 1},
+        {"instance": "a", "seq": -1, "depth": 2},
+        {"instance": "a" * (MAX_INSTANCE_CHARS + 1), "seq": 1, "depth": 2},
+        {"seq": 1, "depth": 2},
+    ],
+)
+def test_decision_fast_path_agrees_with_the_field_checks(wire: dict[str, Any]) -> None:
+    def checked(w: dict[str, Any]) -> Decision:
+        return Decision(_instance(w), _int(w, "seq", 0, MAX_U63), _int(w, "depth", 0, MAX_DEPTH))
+
+    assert _outcome(parse_decision, wire) == _outcome(checked, wire)
 
 
 def test_check_step_depth_and_seq() -> None:
