@@ -27,9 +27,11 @@ length or acceptance except through what happened (as on the live hook).
 
 Speed: per-request state is a few contiguous arrays (hot: remaining tokens, logit offset,
 stale penalty) plus one cold float64 matrix (exact for integers below 2**53) touched only on
-admission and completion; acceptance is sampled by comparing pre-drawn logistic noise minus
-the position logits (drawn in blocks) with each request's offset, so a speculative step is
-about ten vectorized numpy operations whatever the batch size.
+admission and completion; acceptance is sampled by comparing logistic noise (from uniforms
+drawn in blocks) minus the position logits with each request's offset. The decode step proper
+(latency, acceptance, remaining tokens, stale penalty, drift) is one kernel, :func:`_decode`,
+compiled by numba when installed (:mod:`controller._jit`); arrivals, admission, completion
+and all random draws stay in Python, so the RNG streams are consumed exactly as without it.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from controller._jit import maybe_njit
 from controller.errors import ConfigError
 from controller.protocol import Step
-from env.latency import step_time_us
+from env.latency import step_coeffs, step_time_kernel, step_time_us
 from env.params import SimParams
 from env.workload import Arrivals, WorkloadSpec, parse_workload
 
@@ -50,7 +53,7 @@ from env.workload import Arrivals, WorkloadSpec, parse_workload
 U, TARR, TFIRST, RID, PROMPT, OUT = range(6)
 N_COLS = 6
 _BLOCK = 4096
-_ACC_ROWS = 32768  # rows of pre-drawn logistic noise per refill (one row per request-step)
+_ACC_ROWS = 32768  # rows of pre-drawn uniforms per refill (one row per request-step)
 
 
 class SimulationDone(ConfigError):
@@ -126,15 +129,19 @@ class Engine:
         self.xoff = np.zeros(cap, dtype=np.float64)  # u + shift - stale penalty (logits)
         self.pen = np.zeros(cap, dtype=np.float64)  # stale-drafter penalty (logits)
         self.zs = np.zeros(cap, dtype=np.int64)  # consecutive steps without drafting
+        self._acc_buf = np.zeros(cap, dtype=np.int64)  # the kernel's accepted drafts per request
         ap = p.acceptance
         if ap.stale_logit > 0.0:
             k = np.arange(int(20 * ap.stale_tau_steps) + 2, dtype=np.float64)
-            self._stale_table: np.ndarray | None = ap.stale_logit * (1.0 - np.exp(-k / ap.stale_tau_steps))
+            self._stale_table = ap.stale_logit * (1.0 - np.exp(-k / ap.stale_tau_steps))
         else:
-            self._stale_table = None
+            self._stale_table = np.zeros(0, dtype=np.float64)  # no stale penalty
         self._pen_active = False
-        self._pen_decay = math.exp(-1.0 / p.acceptance.stale_recover_steps)
-        self._min_rem = 0  # lower bound of rem over the batch, so most steps skip the end check
+        pen_decay = math.exp(-1.0 / ap.stale_recover_steps)
+        self._consts = np.array(
+            [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6], dtype=np.float64
+        )
+        self._lat_c = step_coeffs(p.latency)
         self.ctx_sum = 0  # Σ sequence lengths of the running requests
         self.n = 0
         self.waiting: deque[tuple[int, int, int, float, int]] = deque()
@@ -146,17 +153,15 @@ class Engine:
             float(self._rng_drift.normal(0.0, p.acceptance.drift_sd)) if p.acceptance.drift_sd > 0 else 0.0
         )
         # Hot-path constants (Python floats/lists index faster than numpy scalars).
-        self._lp = p.latency
         self._instance = p.engine.instance
         self._kv_budget = p.engine.kv_budget_tokens
-        self._drift_sd = p.acceptance.drift_sd
-        self._drift_tau_us = p.acceptance.drift_tau_s * 1e6
+        self._drift_on = p.acceptance.drift_sd > 0.0
         self.completed: list[RequestStats] = []
         self.tokens_emitted = 0
         self.prefill_pending = 0
         self.next_rid = 0
         self.last_model_us = 0.0
-        self._last_args = (1, 0, 0, 0)
+        self.last_base_us = 0.0
         self.last_busy_us = 0
         self.rejected = 0
         self._pull_arrivals()
@@ -211,8 +216,6 @@ class Engine:
             self.xoff[i] = u + shift
             self.pen[i] = 0.0
             self.zs[i] = 0
-            if i == 0 or out < self._min_rem:
-                self._min_rem = out
             self.ctx_sum += prompt
             self.n += 1
             self.kv_reserved += need
@@ -222,13 +225,13 @@ class Engine:
     # ------------------------------------------------------------------ stepping
 
     def _draw_acc_noise(self) -> np.ndarray:
-        # Logistic noise minus the position logits: position i of a request with offset x is
-        # accepted iff noise_i - base_i < x, i.e. with probability sigmoid(base_i + x). The
-        # running max along positions turns "positions 1..i all accepted" into one compare,
-        # so the accepted count is the number of columns below x.
-        k = self._acc_k
-        z = self._rng_acc.logistic(size=(_ACC_ROWS, k)) - self._base[:k]
-        return np.maximum.accumulate(z, axis=1)
+        # Uniforms u, one per (request-step, position): position i of a request with offset x
+        # is accepted iff log(u/(1-u)) - base_i < x (logistic noise), i.e. with probability
+        # sigmoid(base_i + x). The kernel turns only the uniforms it reads into logistic
+        # noise — a request stops at its first rejection — the same values, from the same
+        # stream positions, as Generator.logistic over the whole block (which also redraws a
+        # uniform of exactly 0.0, probability 2**-53 per value: the one case that differs).
+        return self._rng_acc.random((_ACC_ROWS, self._acc_k))
 
     def step(self, depth: int) -> Step:
         """Advance to the next decode step, run it at ``depth``, return its record.
@@ -254,18 +257,15 @@ class Engine:
             prefill += self._admit()
         self.prefill_pending += prefill
         n = self.n
-        lp = self._lp
         ctx_sum = self.ctx_sum
         pf = self.prefill_pending
-        model_us = step_time_us(lp, n, depth, ctx_sum, pf)
-        self._last_args = (n, depth, ctx_sum, pf)
+        # Random draws stay here, in the order and blocks the streams always had.
         if self._lat_i >= _BLOCK:
-            self._lat_noise = (self._rng_lat.standard_normal(_BLOCK) * lp.jitter).tolist()
+            self._lat_noise = (self._rng_lat.standard_normal(_BLOCK) * self.params.latency.jitter).tolist()
             self._lat_i = 0
-        busy = max(1, int(model_us * math.exp(self._lat_noise[self._lat_i])))
+        lat_eps = self._lat_noise[self._lat_i]
         self._lat_i += 1
-
-        rem = self.rem[:n]
+        i0 = 0
         if depth > 0:
             if depth > self._acc_k:
                 self._acc_k = max(depth, 2 * self._acc_k)
@@ -276,56 +276,47 @@ class Engine:
                 self._acc_noise = self._draw_acc_noise()
                 i0 = 0
             self._acc_i = i0 + n
-            x = self.xoff[:n] + self.drift
-            acc = (self._acc_noise[i0 : i0 + n, :depth] < x[:, None]).sum(axis=1)
-            if self._min_rem <= depth + 1:  # someone may be within one step of its end
-                np.minimum(acc, rem - 1, out=acc)
-            rem -= acc
-            rem -= 1
-            tokens = n + int(acc.sum())
-            accept = acc.tolist()
-            if self._pen_active:
-                # The stale penalty fades while drafting; the zero-step run resets.
-                pen = self.pen[:n]
-                pen *= self._pen_decay
-                self.xoff[:n] += pen * (1.0 / self._pen_decay - 1.0)
-                self.zs[:n] = 0
-                if pen.max() < 1e-3:
-                    self.xoff[:n] += pen
-                    pen[:] = 0.0
-                    self._pen_active = False
-        else:
-            tokens = n
-            accept = []
-            rem -= 1
-            if self._stale_table is not None:
-                zs = self.zs[:n]
-                zs += 1
-                np.minimum(zs, len(self._stale_table) - 1, out=zs)
-                pen = self.pen[:n]
-                new_pen = np.maximum(pen, self._stale_table[zs])
-                self.xoff[:n] -= new_pen - pen
-                pen[:] = new_pen
-                self._pen_active = True
-        self.ctx_sum += tokens
-        self.tokens_emitted += tokens
+        drift_eps = 0.0
+        if self._drift_on:
+            if self._drift_i >= _BLOCK:
+                self._drift_noise = self._rng_drift.standard_normal(_BLOCK).tolist()
+                self._drift_i = 0
+            drift_eps = self._drift_noise[self._drift_i]
+            self._drift_i += 1
 
-        self.now_us += busy
-        now = self.now_us
+        model_us, base_us, busy, tokens, self.drift, self._pen_active, n_done = _decode(
+            self._lat_c,
+            self._consts,
+            n,
+            depth,
+            ctx_sum,
+            pf,
+            lat_eps,
+            self.rem,
+            self.zs,
+            self.xoff,
+            self.pen,
+            self._acc_noise,
+            self._base,
+            i0,
+            self.drift,
+            self._pen_active,
+            self._stale_table,
+            drift_eps,
+            self._acc_buf,
+        )
+        accept = self._acc_buf[:n].tolist() if depth > 0 else []
+        kv_used = self.ctx_sum = ctx_sum + tokens
+        self.tokens_emitted += tokens
+        now = self.now_us = self.now_us + busy
         if n > n_before:
             self.S[n_before:n, TFIRST] = now
         step_us = now - self.last_record_us
         self.last_record_us = now
-        self._advance_drift(busy)
-
-        kv_used = self.ctx_sum
-        self._min_rem -= depth + 1
-        if self._min_rem <= 0:
-            finished = rem <= 0
-            if finished.any():
-                self._finish(finished, now)
-            self._min_rem = int(self.rem[: self.n].min()) if self.n else 0
+        if n_done:
+            self._finish(self.rem[:n] <= 0, now)
         self.last_model_us = model_us
+        self.last_base_us = base_us
         self.last_busy_us = busy
         self.prefill_pending = 0
         rec = Step(
@@ -335,22 +326,14 @@ class Engine:
             bs=n,
             waiting=len(self.waiting),
             accept=accept,
-            step_us=int(step_us),
-            ctx_tokens=int(ctx_sum),
+            step_us=step_us,
+            ctx_tokens=ctx_sum,
             kv_usage=min(1.0, kv_used / self._kv_budget),
-            prefill_tokens=int(pf),
+            prefill_tokens=pf,
             ts_ns=self.start_ns + now * 1000,
         )
         self.seq += 1
         return rec
-
-    @property
-    def last_base_us(self) -> float:
-        """The latency model's time of the last step's batch at depth 0 (no jitter), µs."""
-        n, depth, ctx_sum, pf = self._last_args
-        if depth == 0:
-            return self.last_model_us
-        return step_time_us(self.params.latency, n, 0, ctx_sum, pf)
 
     def _finish(self, finished: np.ndarray, now: int) -> None:
         idx = np.flatnonzero(finished)
@@ -383,17 +366,6 @@ class Engine:
                 pen[i] = pen[n]
                 zs[i] = zs[n]
         self.n = n
-
-    def _advance_drift(self, dt_us: int) -> None:
-        sd = self._drift_sd
-        if sd <= 0.0:
-            return
-        if self._drift_i >= _BLOCK:
-            self._drift_noise = self._rng_drift.standard_normal(_BLOCK).tolist()
-            self._drift_i = 0
-        a = math.exp(-dt_us / self._drift_tau_us)
-        self.drift = self.drift * a + sd * math.sqrt(max(0.0, 1.0 - a * a)) * self._drift_noise[self._drift_i]
-        self._drift_i += 1
 
     # ------------------------------------------------------------------ oracle access
 
@@ -438,3 +410,107 @@ class Engine:
             "emitted": out - rem,
             "remaining": rem,
         }
+
+
+@maybe_njit
+def _decode(
+    lat_c: np.ndarray,
+    consts: np.ndarray,
+    n: int,
+    depth: int,
+    ctx_sum: int,
+    prefill: int,
+    lat_eps: float,
+    rem: np.ndarray,
+    zs: np.ndarray,
+    xoff: np.ndarray,
+    pen: np.ndarray,
+    noise: np.ndarray,
+    base: np.ndarray,
+    i0: int,
+    drift: float,
+    pen_active: bool,
+    stale_table: np.ndarray,
+    drift_eps: float,
+    acc: np.ndarray,
+) -> tuple[float, float, int, int, float, bool, int]:
+    """One decode/verify step of the running batch ``[0, n)`` at ``depth``, in place.
+
+    Args:
+        lat_c: :func:`env.latency.step_coeffs` of the deployment.
+        consts: stale-penalty decay per drafting step, ``1/decay - 1``, drift sd and drift
+            time constant (µs).
+        lat_eps: this step's log-normal latency jitter (already × ``jitter``).
+        rem, zs, xoff, pen: per-request remaining tokens, steps without drafting, logit
+            offset, stale penalty (updated).
+        noise: uniforms, rows ``i0 .. i0 + n`` this step's (unused at depth 0).
+        base: the acceptance model's logit per draft position.
+        drift, pen_active: the drift logit and whether any stale penalty is set.
+        stale_table: stale penalty after k steps without drafting (empty: none).
+        drift_eps: this step's standard normal for the drift (unused without drift).
+        acc: receives the accepted drafts per request (at depth > 0).
+
+    Returns:
+        The latency model's time of this step and of the same batch at depth 0 (µs), the
+        jittered busy time (µs), tokens emitted, the new drift and ``pen_active``, and how
+        many requests have no token left.
+    """
+    model_us = step_time_kernel(lat_c, n, depth, ctx_sum, prefill)
+    base_us = model_us if depth == 0 else step_time_kernel(lat_c, n, 0, ctx_sum, prefill)
+    busy = max(1, int(model_us * math.exp(lat_eps)))
+    tokens = n
+    if depth > 0:
+        for j in range(n):
+            # Positions 1..a accepted, a + 1 rejected: logistic noise minus the position's
+            # logit (left to right, as Generator.logistic computes it) against the offset.
+            x = xoff[j] + drift
+            a = 0
+            while a < depth:
+                u = noise[i0 + j, a]
+                if math.log(u / (1.0 - u)) - base[a] >= x:
+                    break
+                a += 1
+            if a > rem[j] - 1:  # never past the request's last token
+                a = int(rem[j] - 1)
+            acc[j] = a
+            rem[j] -= a + 1
+            tokens += a
+        if pen_active:
+            # The stale penalty fades while drafting; the zero-step run resets.
+            decay, grow = consts[0], consts[1]
+            top = 0.0
+            for j in range(n):
+                p = pen[j] * decay
+                pen[j] = p
+                xoff[j] += p * grow
+                zs[j] = 0
+                if j == 0 or p > top:
+                    top = p
+            if top < 1e-3:
+                for j in range(n):
+                    xoff[j] += pen[j]
+                    pen[j] = 0.0
+                pen_active = False
+    else:
+        for j in range(n):
+            rem[j] -= 1
+        last = len(stale_table) - 1
+        if last >= 0:
+            for j in range(n):
+                z = zs[j] + 1
+                if z > last:
+                    z = last
+                zs[j] = z
+                new_pen = max(pen[j], stale_table[z])
+                xoff[j] -= new_pen - pen[j]
+                pen[j] = new_pen
+            pen_active = True
+    sd = consts[2]
+    if sd > 0.0:
+        a_dt = math.exp(-busy / consts[3])
+        drift = drift * a_dt + sd * math.sqrt(max(0.0, 1.0 - a_dt * a_dt)) * drift_eps
+    n_done = 0
+    for j in range(n):
+        if rem[j] <= 0:
+            n_done += 1
+    return float(model_us), float(base_us), int(busy), int(tokens), float(drift), bool(pen_active), n_done

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from controller._jit import maybe_njit
 from controller.errors import FitError
 
 TARGET_LOSS = "linear"
@@ -401,39 +402,90 @@ def read_profile(path: str):
     return df
 
 
+# The coefficients :func:`step_time_kernel` reads, in this order (``extend0`` as 0.0/1.0).
+STEP_COEFFS = (
+    "t_fix_us",
+    "w_us",
+    "f_us_per_tok",
+    "p",
+    "tok_us_per_tok",
+    "a0_us",
+    "sq_us_per_seq",
+    "kv_us_per_ctx_tok",
+    "aq_us",
+    "sqq_us_per_seq",
+    "kvq_us_per_ctx_tok",
+    "kvs_us_per_ctx_tok",
+    "fq_us",
+    "fq_kv_us_per_ctx_tok",
+    "d_fix_us",
+    "d_fc_us",
+    "d_tok_us_per_tok",
+    "d_kv_us_per_ctx_tok",
+    "oh_us",
+    "oh_spec_us",
+    "oh_req_us",
+    "extend0",
+    "pf_attn_us_per_tok",
+    "pf_scale",
+)
+_COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
+_COEFF_CACHE_SIZE = 16
+
+
+def step_coeffs(lp: LatencyParams) -> np.ndarray:
+    """``lp``'s :data:`STEP_COEFFS` as a float64 array (the form the compiled kernels take).
+
+    The last few arrays are cached by identity (params are frozen), so calling
+    :func:`step_time_us` in a loop does not rebuild it each time.
+    """
+    hit = _COEFF_CACHE.get(id(lp))
+    if hit is not None and hit[0] is lp:
+        return hit[1]
+    c = np.array([float(getattr(lp, name)) for name in STEP_COEFFS], dtype=np.float64)
+    if len(_COEFF_CACHE) >= _COEFF_CACHE_SIZE:
+        del _COEFF_CACHE[next(iter(_COEFF_CACHE))]
+    _COEFF_CACHE[id(lp)] = (lp, c)
+    return c
+
+
 def step_time_us(
     lp: LatencyParams, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float = 0.0
 ) -> float:
     """:func:`step_us` in plain float arithmetic: the simulator's hot path (no numpy calls)."""
-    w_p = lp.w_us**lp.p
-    inv_p = 1.0 / lp.p
-    t = lp.oh_us + lp.oh_req_us * bs
+    return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens)
+
+
+@maybe_njit
+def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float) -> float:
+    """:func:`step_time_us` over :func:`step_coeffs` (compiled; callable from other kernels)."""
+    t_fix, w_us, f_tok, p, tok = c[0], c[1], c[2], c[3], c[4]
+    a0, sq, kv, aq, sqq, kvq, kvs, fq, fq_kv = c[5], c[6], c[7], c[8], c[9], c[10], c[11], c[12], c[13]
+    d_fix, d_fc, d_tok, d_kv = c[14], c[15], c[16], c[17]
+    oh, oh_spec, oh_req, extend0, pf_attn, pf_scale = c[18], c[19], c[20], c[21], c[22], c[23]
+    w_p = w_us**p
+    inv_p = 1.0 / p
+    t = oh + oh_req * bs
     if prefill_tokens > 0:
         pf = float(prefill_tokens)
-        t += lp.t_fix_us + lp.pf_scale * (
-            (w_p + (lp.f_us_per_tok * pf) ** lp.p) ** inv_p + lp.tok_us_per_tok * pf
-        )
-        t += lp.a0_us + lp.pf_attn_us_per_tok * pf
-    attn0 = lp.a0_us + lp.sq_us_per_seq * bs + lp.kv_us_per_ctx_tok * ctx_tokens
-    dr = lp.d_fix_us + lp.d_kv_us_per_ctx_tok * ctx_tokens
+        t += t_fix + pf_scale * ((w_p + (f_tok * pf) ** p) ** inv_p + tok * pf)
+        t += a0 + pf_attn * pf
+    attn0 = a0 + sq * bs + kv * ctx_tokens
+    dr = d_fix + d_kv * ctx_tokens
     if depth > 0:
         q = depth + 1
         n = bs * q
-        t += lp.oh_spec_us
-        t += depth * (dr + lp.d_tok_us_per_tok * bs) + lp.d_fc_us  # k draft steps, the first with fc
-        t += lp.t_fix_us + (w_p + (lp.f_us_per_tok * n) ** lp.p) ** inv_p + lp.tok_us_per_tok * n
-        split = (
-            lp.aq_us
-            + lp.sqq_us_per_seq * bs
-            + (lp.kvq_us_per_ctx_tok + lp.kvs_us_per_ctx_tok * (q - 2)) * ctx_tokens
-        )
-        t += attn0 + min(split, lp.fq_us + lp.fq_kv_us_per_ctx_tok * ctx_tokens)  # the faster verify kernel
-        t += dr + lp.d_tok_us_per_tok * n  # draft extend over the verified tokens
+        t += oh_spec
+        t += depth * (dr + d_tok * bs) + d_fc  # k draft steps, the first with fc
+        t += t_fix + (w_p + (f_tok * n) ** p) ** inv_p + tok * n
+        split = aq + sqq * bs + (kvq + kvs * (q - 2)) * ctx_tokens
+        t += attn0 + min(split, fq + fq_kv * ctx_tokens)  # the faster verify kernel
+        t += dr + d_tok * n  # draft extend over the verified tokens
     else:
-        t += lp.t_fix_us + (w_p + (lp.f_us_per_tok * bs) ** lp.p) ** inv_p + lp.tok_us_per_tok * bs + attn0
-        if lp.extend0:
-            t += dr + lp.d_tok_us_per_tok * bs
-    return t
+        t += t_fix + (w_p + (f_tok * bs) ** p) ** inv_p + tok * bs + attn0
+        if extend0 != 0.0:
+            t += dr + d_tok * bs
+    return float(t)
 
 
 def step_time_us_vec(lp: LatencyParams, bs, depth, ctx_tokens, prefill_tokens) -> np.ndarray:
