@@ -188,8 +188,10 @@ class MLP:
             (np.ascontiguousarray(w.T, dtype=np.float32), b.astype(np.float32)) for w, b in weights
         ]
         self._relu = activation == "relu"
-        # One buffer per layer: act() on the serving hot path allocates nothing.
-        self._bufs = [np.empty(w.shape[1], dtype=np.float32) for w, _ in self._layers]
+        # One output buffer per layer: act() on the serving hot path allocates nothing.
+        self._hidden = [(w, b, np.empty(w.shape[1], dtype=np.float32)) for w, b in self._layers[:-1]]
+        w_out, b_out = self._layers[-1]
+        self._head = (w_out, b_out, np.empty(w_out.shape[1], dtype=np.float32))
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Action logits for one observation (1-D) or a batch (2-D)."""
@@ -206,19 +208,24 @@ class MLP:
 
         The same arithmetic as :meth:`logits` (float32 matmul, bias, activation), written into
         preallocated buffers because this runs once per decode step of every instance.
+        ``np.dot`` rather than ``np.matmul``: for one vector it skips the ufunc machinery
+        (≈0.5 µs a layer here) and calls the same BLAS kernel.
         """
         h = x if x.dtype == np.float32 else np.asarray(x, dtype=np.float32)
-        last = len(self._layers) - 1
-        for i, ((w, b), out) in enumerate(zip(self._layers, self._bufs)):
-            np.matmul(h, w, out=out)
-            np.add(out, b, out=out)
-            if i < last:
-                if self._relu:
-                    np.maximum(out, 0.0, out=out)
-                else:
-                    np.tanh(out, out=out)
+        dot, add = np.dot, np.add
+        act = np.maximum if self._relu else None
+        for w, b, out in self._hidden:
+            dot(h, w, out=out)
+            add(out, b, out=out)
+            if act is None:
+                np.tanh(out, out=out)
+            else:
+                act(out, 0.0, out=out)
             h = out
-        return int(h.argmax())
+        w, b, out = self._head
+        dot(h, w, out=out)
+        add(out, b, out=out)
+        return int(out.argmax())
 
 
 def _load_weights(sd: dict[str, Any], meta: PPOMeta, path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
