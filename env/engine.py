@@ -130,6 +130,7 @@ class Engine:
         self.pen = np.zeros(cap, dtype=np.float64)  # stale-drafter penalty (logits)
         self.zs = np.zeros(cap, dtype=np.int64)  # consecutive steps without drafting
         self._acc_buf = np.zeros(cap, dtype=np.int64)  # the kernel's accepted drafts per request
+        self._done_rows = np.zeros((cap, N_COLS), dtype=np.float64)  # S rows of retired requests
         ap = p.acceptance
         if ap.stale_logit > 0.0:
             k = np.arange(int(20 * ap.stale_tau_steps) + 2, dtype=np.float64)
@@ -314,7 +315,7 @@ class Engine:
         step_us = now - self.last_record_us
         self.last_record_us = now
         if n_done:
-            self._finish(self.rem[:n] <= 0, now)
+            self._finish(now)
         self.last_model_us = model_us
         self.last_base_us = base_us
         self.last_busy_us = busy
@@ -335,10 +336,12 @@ class Engine:
         self.seq += 1
         return rec
 
-    def _finish(self, finished: np.ndarray, now: int) -> None:
-        idx = np.flatnonzero(finished)
-        S, rem, xoff, pen, zs = self.S, self.rem, self.xoff, self.pen, self.zs
-        for _, t_arr, t_first, rid, prompt_f, out_f in S[idx].tolist():
+    def _finish(self, now: int) -> None:
+        """Retire the requests with no token left (``rem <= 0``) at ``now``."""
+        m = _retire(self.S, self.rem, self.xoff, self.pen, self.zs, self.n, self._done_rows)
+        self.n -= m
+        # _retire lists them from the highest batch index down; record them lowest first.
+        for _, t_arr, t_first, rid, prompt_f, out_f in reversed(self._done_rows[:m].tolist()):
             out = int(out_f)
             prompt = int(prompt_f)
             self.completed.append(
@@ -354,18 +357,6 @@ class Engine:
             self.kv_reserved -= prompt + out
             self.ctx_sum -= prompt + out
             self.arrivals.on_complete(now)
-        # Swap-remove (highest index first, so a moved row is never a finished one): a few
-        # row copies instead of compacting every array (batch order is not part of the model).
-        n = self.n
-        for i in reversed(idx.tolist()):
-            n -= 1
-            if i != n:
-                S[i] = S[n]
-                rem[i] = rem[n]
-                xoff[i] = xoff[n]
-                pen[i] = pen[n]
-                zs[i] = zs[n]
-        self.n = n
 
     # ------------------------------------------------------------------ oracle access
 
@@ -514,3 +505,34 @@ def _decode(
         if rem[j] <= 0:
             n_done += 1
     return float(model_us), float(base_us), int(busy), int(tokens), float(drift), bool(pen_active), n_done
+
+
+@maybe_njit
+def _retire(
+    S: np.ndarray,
+    rem: np.ndarray,
+    xoff: np.ndarray,
+    pen: np.ndarray,
+    zs: np.ndarray,
+    n: int,
+    done: np.ndarray,
+) -> int:
+    """Swap-remove the requests of ``[0, n)`` with ``rem <= 0``; return how many.
+
+    Their ``S`` rows go to ``done[0..m)``, highest batch index first. Scanning down, the last
+    row that moves into a freed slot was already scanned, so it is never a finished one: a
+    few row copies instead of compacting every array (batch order is not part of the model).
+    """
+    m = 0
+    for i in range(n - 1, -1, -1):
+        if rem[i] <= 0:
+            done[m, :] = S[i, :]
+            m += 1
+            n -= 1
+            if i != n:
+                S[i, :] = S[n, :]
+                rem[i] = rem[n]
+                xoff[i] = xoff[n]
+                pen[i] = pen[n]
+                zs[i] = zs[n]
+    return m

@@ -125,16 +125,18 @@ class SpecDecodeEnv(gym.Env):
         self.reward_scale = float(reward_scale)
         self.featurizer = Featurizer(self.depths)
         self.observation_space = spaces.Box(-OBS_BOUND, OBS_BOUND, (self.featurizer.obs_dim,), np.float32)
+        # Bounds as arrays: ufuncs against a float32 array skip the scalar conversion.
+        self._lo = np.full(self.featurizer.obs_dim, -OBS_BOUND, dtype=np.float32)
+        self._hi = np.full(self.featurizer.obs_dim, OBS_BOUND, dtype=np.float32)
         self.action_space = spaces.Discrete(len(self.depths))
         self.engine: Engine | None = None
         self._pending: deque[int] = deque()
         self._steps = 0
 
     def _obs(self, raw: np.ndarray) -> np.ndarray:
-        # Two in-place ufuncs: np.clip's Python wrapper costs more than the rest of this method.
-        raw = raw.astype(np.float32, copy=False)
-        np.maximum(raw, -OBS_BOUND, out=raw)
-        return np.minimum(raw, OBS_BOUND, out=raw)
+        # The Featurizer's fresh float32 array, clipped in place by two ufuncs (np.clip's
+        # Python wrapper costs more than both).
+        return np.minimum(np.maximum(raw, self._lo, out=raw), self._hi, out=raw)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
@@ -162,33 +164,35 @@ class SpecDecodeEnv(gym.Env):
         self._steps = 0
         rec = self.engine.step(self.depths[0])
         obs = self._obs(self.featurizer.update(rec))
-        return obs, self._info(rec, self.depths[0])
+        return obs, self._info(rec, self.depths[0], rec.tokens)
 
     def step(self, action):
         eng = self.engine
         if eng is None:
             raise ConfigError("call reset() before step()")
         a = int(action)
-        if not 0 <= a < len(self.depths):
-            raise ConfigError(f"action {a} outside 0..{len(self.depths) - 1}")
-        self._pending.append(a)
-        depth = self.depths[self._pending.popleft()]
+        depths = self.depths
+        if not 0 <= a < len(depths):
+            raise ConfigError(f"action {a} outside 0..{len(depths) - 1}")
+        pending = self._pending
+        pending.append(a)
+        depth = depths[pending.popleft()]
         rec = eng.step(depth)
         self._steps += 1
         obs = self._obs(self.featurizer.update(rec))
-        extra = rec.tokens - rec.bs * (eng.last_model_us / eng.last_base_us)
-        reward = float(extra / self.reward_scale)
-        terminated = eng.done
-        truncated = self._steps >= self.episode_steps
-        return obs, reward, terminated, truncated, self._info(rec, depth)
+        # The engine's step also evaluated the latency model at depth 0 for this batch.
+        tokens = rec.tokens
+        extra = tokens - rec.bs * (eng.last_model_us / eng.last_base_us)
+        info = self._info(rec, depth, tokens)
+        return obs, extra / self.reward_scale, eng.done, self._steps >= self.episode_steps, info
 
-    def _info(self, rec, depth: int) -> dict[str, Any]:
+    def _info(self, rec, depth: int, tokens: int) -> dict[str, Any]:
         eng = self.engine
         assert eng is not None
         return {
             "step": rec,
             "depth": depth,
-            "tokens": rec.tokens,
+            "tokens": tokens,
             "busy_us": eng.last_busy_us,
             "now_us": eng.now_us,
         }
