@@ -45,7 +45,7 @@ import numpy as np
 from controller._jit import maybe_njit
 from controller.errors import ConfigError
 from controller.protocol import Step
-from env.latency import step_coeffs, step_time_kernel, step_time_us
+from env.latency import STEP_COEFFS, step_coeffs, step_time_kernel, step_time_us
 from env.params import SimParams
 from env.workload import Arrivals, WorkloadSpec, parse_workload
 
@@ -54,6 +54,8 @@ U, TARR, TFIRST, RID, PROMPT, OUT = range(6)
 N_COLS = 6
 _BLOCK = 4096
 _ACC_ROWS = 32768  # rows of pre-drawn uniforms per refill (one row per request-step)
+_MAX_POS = 64  # draft positions the acceptance model covers (the deepest depth)
+_N_LAT = len(STEP_COEFFS)
 
 
 class SimulationDone(ConfigError):
@@ -119,30 +121,38 @@ class Engine:
         self._lat_i = 0
         self._drift_noise = self._rng_drift.standard_normal(_BLOCK).tolist()
         self._drift_i = 0
-        self._base = p.acceptance.base_logits(64)
+        self._base = p.acceptance.base_logits(_MAX_POS)
         self._acc_k = 5  # the default deepest depth; grows on demand
         self._acc_noise = self._draw_acc_noise()
         self._acc_i = 0
         cap = self._cap
         self.S = np.zeros((cap, N_COLS), dtype=np.float64)
-        self.rem = np.zeros(cap, dtype=np.int64)  # output tokens still to emit (>= 1 while running)
-        self.xoff = np.zeros(cap, dtype=np.float64)  # u + shift - stale penalty (logits)
-        self.pen = np.zeros(cap, dtype=np.float64)  # stale-drafter penalty (logits)
-        self.zs = np.zeros(cap, dtype=np.int64)  # consecutive steps without drafting
+        # Hot per-request state, two arrays (each array argument costs a kernel call ~0.1 µs):
+        self._ints = np.zeros((2, cap), dtype=np.int64)
+        self._floats = np.zeros((2, cap), dtype=np.float64)
+        self.rem = self._ints[0]  # output tokens still to emit (>= 1 while running)
+        self.zs = self._ints[1]  # consecutive steps without drafting
+        self.xoff = self._floats[0]  # u + shift - stale penalty (logits)
+        self.pen = self._floats[1]  # stale-drafter penalty (logits)
         self._acc_buf = np.zeros(cap, dtype=np.int64)  # the kernel's accepted drafts per request
         self._done_rows = np.zeros((cap, N_COLS), dtype=np.float64)  # S rows of retired requests
         ap = p.acceptance
         if ap.stale_logit > 0.0:
             k = np.arange(int(20 * ap.stale_tau_steps) + 2, dtype=np.float64)
-            self._stale_table = ap.stale_logit * (1.0 - np.exp(-k / ap.stale_tau_steps))
+            stale_table = ap.stale_logit * (1.0 - np.exp(-k / ap.stale_tau_steps))
         else:
-            self._stale_table = np.zeros(0, dtype=np.float64)  # no stale penalty
+            stale_table = np.zeros(0, dtype=np.float64)  # no stale penalty
         self._pen_active = False
         pen_decay = math.exp(-1.0 / ap.stale_recover_steps)
-        self._consts = np.array(
-            [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6], dtype=np.float64
+        # Every constant the kernel reads, in one array (layout: _decode's docstring).
+        self._consts = np.concatenate(
+            [
+                step_coeffs(p.latency),
+                [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6],
+                self._base,
+                stale_table,
+            ]
         )
-        self._lat_c = step_coeffs(p.latency)
         self.ctx_sum = 0  # Σ sequence lengths of the running requests
         self.n = 0
         self.waiting: deque[tuple[int, int, int, float, int]] = deque()
@@ -269,7 +279,9 @@ class Engine:
         i0 = 0
         if depth > 0:
             if depth > self._acc_k:
-                self._acc_k = max(depth, 2 * self._acc_k)
+                if depth > _MAX_POS:
+                    raise ConfigError(f"depth {depth}: the acceptance model covers depths up to {_MAX_POS}")
+                self._acc_k = min(max(depth, 2 * self._acc_k), _MAX_POS)
                 self._acc_noise = self._draw_acc_noise()
                 self._acc_i = 0
             i0 = self._acc_i
@@ -286,25 +298,20 @@ class Engine:
             self._drift_i += 1
 
         model_us, base_us, busy, tokens, self.drift, self._pen_active, n_done = _decode(
-            self._lat_c,
             self._consts,
+            self._ints,
+            self._floats,
+            self._acc_noise,
+            self._acc_buf,
             n,
             depth,
             ctx_sum,
             pf,
-            lat_eps,
-            self.rem,
-            self.zs,
-            self.xoff,
-            self.pen,
-            self._acc_noise,
-            self._base,
             i0,
+            lat_eps,
+            drift_eps,
             self.drift,
             self._pen_active,
-            self._stale_table,
-            drift_eps,
-            self._acc_buf,
         )
         accept = self._acc_buf[:n].tolist() if depth > 0 else []
         kv_used = self.ctx_sum = ctx_sum + tokens
@@ -338,7 +345,7 @@ class Engine:
 
     def _finish(self, now: int) -> None:
         """Retire the requests with no token left (``rem <= 0``) at ``now``."""
-        m = _retire(self.S, self.rem, self.xoff, self.pen, self.zs, self.n, self._done_rows)
+        m = _retire(self.S, self._ints, self._floats, self.n, self._done_rows)
         self.n -= m
         # _retire lists them from the highest batch index down; record them lowest first.
         for _, t_arr, t_first, rid, prompt_f, out_f in reversed(self._done_rows[:m].tolist()):
@@ -405,49 +412,46 @@ class Engine:
 
 @maybe_njit
 def _decode(
-    lat_c: np.ndarray,
     consts: np.ndarray,
+    ints: np.ndarray,
+    floats: np.ndarray,
+    noise: np.ndarray,
+    acc: np.ndarray,
     n: int,
     depth: int,
     ctx_sum: int,
     prefill: int,
-    lat_eps: float,
-    rem: np.ndarray,
-    zs: np.ndarray,
-    xoff: np.ndarray,
-    pen: np.ndarray,
-    noise: np.ndarray,
-    base: np.ndarray,
     i0: int,
+    lat_eps: float,
+    drift_eps: float,
     drift: float,
     pen_active: bool,
-    stale_table: np.ndarray,
-    drift_eps: float,
-    acc: np.ndarray,
 ) -> tuple[float, float, int, int, float, bool, int]:
     """One decode/verify step of the running batch ``[0, n)`` at ``depth``, in place.
 
     Args:
-        lat_c: :func:`env.latency.step_coeffs` of the deployment.
-        consts: stale-penalty decay per drafting step, ``1/decay - 1``, drift sd and drift
-            time constant (µs).
-        lat_eps: this step's log-normal latency jitter (already × ``jitter``).
-        rem, zs, xoff, pen: per-request remaining tokens, steps without drafting, logit
-            offset, stale penalty (updated).
+        consts: :func:`env.latency.step_coeffs` of the deployment, then the stale penalty's
+            decay per drafting step, ``1/decay - 1``, the drift's sd and time constant (µs),
+            the acceptance logit of each of the ``_MAX_POS`` draft positions, and the stale
+            penalty after k steps without drafting (k = 0, 1, ...; none: no stale penalty).
+        ints, floats: per request ``(rem, zs)`` and ``(xoff, pen)``: remaining tokens, steps
+            without drafting, logit offset, stale penalty (updated).
         noise: uniforms, rows ``i0 .. i0 + n`` this step's (unused at depth 0).
-        base: the acceptance model's logit per draft position.
-        drift, pen_active: the drift logit and whether any stale penalty is set.
-        stale_table: stale penalty after k steps without drafting (empty: none).
-        drift_eps: this step's standard normal for the drift (unused without drift).
         acc: receives the accepted drafts per request (at depth > 0).
+        lat_eps: this step's log-normal latency jitter (already × ``jitter``).
+        drift_eps: this step's standard normal for the drift (unused without drift).
+        drift, pen_active: the drift logit and whether any stale penalty is set.
 
     Returns:
         The latency model's time of this step and of the same batch at depth 0 (µs), the
         jittered busy time (µs), tokens emitted, the new drift and ``pen_active``, and how
         many requests have no token left.
     """
-    model_us = step_time_kernel(lat_c, n, depth, ctx_sum, prefill)
-    base_us = model_us if depth == 0 else step_time_kernel(lat_c, n, 0, ctx_sum, prefill)
+    rem, zs, xoff, pen = ints[0], ints[1], floats[0], floats[1]
+    o_base = _N_LAT + 4
+    o_stale = o_base + _MAX_POS
+    model_us = step_time_kernel(consts, n, depth, ctx_sum, prefill)
+    base_us = model_us if depth == 0 else step_time_kernel(consts, n, 0, ctx_sum, prefill)
     busy = max(1, int(model_us * math.exp(lat_eps)))
     tokens = n
     if depth > 0:
@@ -458,7 +462,7 @@ def _decode(
             a = 0
             while a < depth:
                 u = noise[i0 + j, a]
-                if math.log(u / (1.0 - u)) - base[a] >= x:
+                if math.log(u / (1.0 - u)) - consts[o_base + a] >= x:
                     break
                 a += 1
             if a > rem[j] - 1:  # never past the request's last token
@@ -468,7 +472,7 @@ def _decode(
             tokens += a
         if pen_active:
             # The stale penalty fades while drafting; the zero-step run resets.
-            decay, grow = consts[0], consts[1]
+            decay, grow = consts[_N_LAT], consts[_N_LAT + 1]
             top = 0.0
             for j in range(n):
                 p = pen[j] * decay
@@ -485,20 +489,20 @@ def _decode(
     else:
         for j in range(n):
             rem[j] -= 1
-        last = len(stale_table) - 1
+        last = len(consts) - 1 - o_stale
         if last >= 0:
             for j in range(n):
                 z = zs[j] + 1
                 if z > last:
                     z = last
                 zs[j] = z
-                new_pen = max(pen[j], stale_table[z])
+                new_pen = max(pen[j], consts[o_stale + z])
                 xoff[j] -= new_pen - pen[j]
                 pen[j] = new_pen
             pen_active = True
-    sd = consts[2]
+    sd = consts[_N_LAT + 2]
     if sd > 0.0:
-        a_dt = math.exp(-busy / consts[3])
+        a_dt = math.exp(-busy / consts[_N_LAT + 3])
         drift = drift * a_dt + sd * math.sqrt(max(0.0, 1.0 - a_dt * a_dt)) * drift_eps
     n_done = 0
     for j in range(n):
@@ -508,31 +512,22 @@ def _decode(
 
 
 @maybe_njit
-def _retire(
-    S: np.ndarray,
-    rem: np.ndarray,
-    xoff: np.ndarray,
-    pen: np.ndarray,
-    zs: np.ndarray,
-    n: int,
-    done: np.ndarray,
-) -> int:
-    """Swap-remove the requests of ``[0, n)`` with ``rem <= 0``; return how many.
+def _retire(S: np.ndarray, ints: np.ndarray, floats: np.ndarray, n: int, done: np.ndarray) -> int:
+    """Swap-remove the requests of ``[0, n)`` with no token left; return how many.
 
-    Their ``S`` rows go to ``done[0..m)``, highest batch index first. Scanning down, the last
-    row that moves into a freed slot was already scanned, so it is never a finished one: a
-    few row copies instead of compacting every array (batch order is not part of the model).
+    ``ints``/``floats`` as for :func:`_decode`. The finished requests' ``S`` rows go to
+    ``done[0..m)``, highest batch index first. Scanning down, the last row that moves into a
+    freed slot was already scanned, so it is never a finished one: a few row copies instead
+    of compacting every array (batch order is not part of the model).
     """
     m = 0
     for i in range(n - 1, -1, -1):
-        if rem[i] <= 0:
+        if ints[0, i] <= 0:
             done[m, :] = S[i, :]
             m += 1
             n -= 1
             if i != n:
                 S[i, :] = S[n, :]
-                rem[i] = rem[n]
-                xoff[i] = xoff[n]
-                pen[i] = pen[n]
-                zs[i] = zs[n]
+                ints[:, i] = ints[:, n]
+                floats[:, i] = floats[:, n]
     return m
