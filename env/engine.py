@@ -174,6 +174,7 @@ class Engine:
         self.last_model_us = 0.0
         self.last_base_us = 0.0
         self.last_busy_us = 0
+        self.last_tokens = 0  # tokens the last step emitted (its record's ``tokens``)
         self.rejected = 0
         self._pull_arrivals()
 
@@ -327,18 +328,22 @@ class Engine:
         self.last_base_us = base_us
         self.last_busy_us = busy
         self.prefill_pending = 0
+        self.last_tokens = tokens
+        # Positional, in Step's field order (keywords cost 0.6 µs more per record):
+        # instance, seq, depth, bs, waiting, accept, step_us, ctx_tokens, kv_usage,
+        # prefill_tokens, ts_ns.
         rec = Step(
-            instance=self._instance,
-            seq=self.seq,
-            depth=depth,
-            bs=n,
-            waiting=len(self.waiting),
-            accept=accept,
-            step_us=step_us,
-            ctx_tokens=ctx_sum,
-            kv_usage=min(1.0, kv_used / self._kv_budget),
-            prefill_tokens=pf,
-            ts_ns=self.start_ns + now * 1000,
+            self._instance,
+            self.seq,
+            depth,
+            n,
+            len(self.waiting),
+            accept,
+            step_us,
+            ctx_sum,
+            min(1.0, kv_used / self._kv_budget),
+            pf,
+            self.start_ns + now * 1000,
         )
         self.seq += 1
         return rec
@@ -351,16 +356,8 @@ class Engine:
         for _, t_arr, t_first, rid, prompt_f, out_f in reversed(self._done_rows[:m].tolist()):
             out = int(out_f)
             prompt = int(prompt_f)
-            self.completed.append(
-                RequestStats(
-                    rid=int(rid),
-                    arrival_us=int(t_arr),
-                    first_token_us=int(t_first),
-                    finish_us=now,
-                    prompt_tokens=prompt,
-                    output_tokens=out,
-                )
-            )
+            # Positional (rid, arrival, first token, finish, prompt, output): 0.5 µs less.
+            self.completed.append(RequestStats(int(rid), int(t_arr), int(t_first), now, prompt, out))
             self.kv_reserved -= prompt + out
             self.ctx_sum -= prompt + out
             self.arrivals.on_complete(now)

@@ -181,7 +181,7 @@ class SpecDecodeEnv(gym.Env):
         self._steps += 1
         obs = self._obs(self.featurizer.update(rec))
         # The engine's step also evaluated the latency model at depth 0 for this batch.
-        tokens = rec.tokens
+        tokens = eng.last_tokens  # rec.tokens, already summed by the engine
         extra = tokens - rec.bs * (eng.last_model_us / eng.last_base_us)
         info = self._info(rec, depth, tokens)
         return obs, extra / self.reward_scale, eng.done, self._steps >= self.episode_steps, info
