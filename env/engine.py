@@ -126,14 +126,15 @@ class Engine:
         self._acc_noise = self._draw_acc_noise()
         self._acc_i = 0
         cap = self._cap
-        self.S = np.zeros((cap, N_COLS), dtype=np.float64)
-        # Hot per-request state, two arrays (each array argument costs a kernel call ~0.1 µs):
+        # Per-request state in two arrays (each array argument costs a kernel call ~0.1 µs),
+        # one column per request; the attributes below are views of their rows.
         self._ints = np.zeros((2, cap), dtype=np.int64)
-        self._floats = np.zeros((2, cap), dtype=np.float64)
+        self._floats = np.zeros((2 + N_COLS, cap), dtype=np.float64)
         self.rem = self._ints[0]  # output tokens still to emit (>= 1 while running)
         self.zs = self._ints[1]  # consecutive steps without drafting
         self.xoff = self._floats[0]  # u + shift - stale penalty (logits)
         self.pen = self._floats[1]  # stale-drafter penalty (logits)
+        self.S = self._floats[2:].T  # the cold columns U .. OUT, one row per request
         self._acc_buf = np.zeros(cap, dtype=np.int64)  # the kernel's accepted drafts per request
         self._done_rows = np.zeros((cap, N_COLS), dtype=np.float64)  # S rows of retired requests
         ap = p.acceptance
@@ -203,7 +204,6 @@ class Engine:
         budget = e.kv_budget_tokens
         chunk = e.chunked_prefill_tokens
         prefilled = 0
-        S = self.S
         while self.waiting and self.n < self._cap:
             t_us, prompt, out, shift, rid = self.waiting[0]
             need = prompt + out
@@ -222,12 +222,7 @@ class Engine:
                 u = ap.zero_logit
             else:
                 u = ap.sigma * self._rng_acc.standard_normal()
-            i = self.n
-            S[i] = (u + shift, t_us, -1.0, rid, prompt, out)
-            self.rem[i] = out
-            self.xoff[i] = u + shift
-            self.pen[i] = 0.0
-            self.zs[i] = 0
+            _admit_row(self._ints, self._floats, self.n, u + shift, t_us, rid, prompt, out)
             self.ctx_sum += prompt
             self.n += 1
             self.kv_reserved += need
@@ -305,6 +300,8 @@ class Engine:
             self._acc_noise,
             self._acc_buf,
             n,
+            n_before,
+            self.now_us,
             depth,
             ctx_sum,
             pf,
@@ -318,8 +315,6 @@ class Engine:
         kv_used = self.ctx_sum = ctx_sum + tokens
         self.tokens_emitted += tokens
         now = self.now_us = self.now_us + busy
-        if n > n_before:
-            self.S[n_before:n, TFIRST] = now
         step_us = now - self.last_record_us
         self.last_record_us = now
         if n_done:
@@ -350,7 +345,7 @@ class Engine:
 
     def _finish(self, now: int) -> None:
         """Retire the requests with no token left (``rem <= 0``) at ``now``."""
-        m = _retire(self.S, self._ints, self._floats, self.n, self._done_rows)
+        m = _retire(self._ints, self._floats, self.n, self._done_rows)
         self.n -= m
         # _retire lists them from the highest batch index down; record them lowest first.
         for _, t_arr, t_first, rid, prompt_f, out_f in reversed(self._done_rows[:m].tolist()):
@@ -415,6 +410,8 @@ def _decode(
     noise: np.ndarray,
     acc: np.ndarray,
     n: int,
+    n_before: int,
+    now_us: int,
     depth: int,
     ctx_sum: int,
     prefill: int,
@@ -431,8 +428,10 @@ def _decode(
             decay per drafting step, ``1/decay - 1``, the drift's sd and time constant (µs),
             the acceptance logit of each of the ``_MAX_POS`` draft positions, and the stale
             penalty after k steps without drafting (k = 0, 1, ...; none: no stale penalty).
-        ints, floats: per request ``(rem, zs)`` and ``(xoff, pen)``: remaining tokens, steps
-            without drafting, logit offset, stale penalty (updated).
+        ints, floats: per request ``(rem, zs)`` and ``(xoff, pen, U .. OUT)``: remaining
+            tokens, steps without drafting, logit offset, stale penalty, cold columns
+            (updated; requests ``n_before .. n`` joined this step: their first token is at
+            the step's end, ``now_us`` + busy time).
         noise: uniforms, rows ``i0 .. i0 + n`` this step's (unused at depth 0).
         acc: receives the accepted drafts per request (at depth > 0).
         lat_eps: this step's log-normal latency jitter (already × ``jitter``).
@@ -501,6 +500,8 @@ def _decode(
     if sd > 0.0:
         a_dt = math.exp(-busy / consts[_N_LAT + 3])
         drift = drift * a_dt + sd * math.sqrt(max(0.0, 1.0 - a_dt * a_dt)) * drift_eps
+    for j in range(n_before, n):
+        floats[2 + TFIRST, j] = now_us + busy
     n_done = 0
     for j in range(n):
         if rem[j] <= 0:
@@ -509,22 +510,38 @@ def _decode(
 
 
 @maybe_njit
-def _retire(S: np.ndarray, ints: np.ndarray, floats: np.ndarray, n: int, done: np.ndarray) -> int:
+def _retire(ints: np.ndarray, floats: np.ndarray, n: int, done: np.ndarray) -> int:
     """Swap-remove the requests of ``[0, n)`` with no token left; return how many.
 
-    ``ints``/``floats`` as for :func:`_decode`. The finished requests' ``S`` rows go to
-    ``done[0..m)``, highest batch index first. Scanning down, the last row that moves into a
-    freed slot was already scanned, so it is never a finished one: a few row copies instead
-    of compacting every array (batch order is not part of the model).
+    ``ints``/``floats`` as for :func:`_decode`. The finished requests' cold columns
+    (``U .. OUT``) go to the rows ``done[0..m)``, highest batch index first. Scanning down,
+    the last request that moves into a freed slot was already scanned, so it is never a
+    finished one: a few copies instead of compacting (batch order is not part of the model).
     """
     m = 0
     for i in range(n - 1, -1, -1):
         if ints[0, i] <= 0:
-            done[m, :] = S[i, :]
+            done[m, :] = floats[2:, i]
             m += 1
             n -= 1
             if i != n:
-                S[i, :] = S[n, :]
                 ints[:, i] = ints[:, n]
                 floats[:, i] = floats[:, n]
     return m
+
+
+@maybe_njit
+def _admit_row(
+    ints: np.ndarray, floats: np.ndarray, i: int, x: float, t_us: int, rid: int, prompt: int, out: int
+) -> None:
+    """Set request ``i``'s state on admission (``ints``/``floats`` as for :func:`_decode`)."""
+    ints[0, i] = out
+    ints[1, i] = 0
+    floats[0, i] = x
+    floats[1, i] = 0.0
+    floats[2 + U, i] = x
+    floats[2 + TARR, i] = t_us
+    floats[2 + TFIRST, i] = -1.0
+    floats[2 + RID, i] = rid
+    floats[2 + PROMPT, i] = prompt
+    floats[2 + OUT, i] = out
