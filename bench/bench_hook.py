@@ -239,6 +239,12 @@ def main() -> int:
         f"{'all':>8} {len(all_wall):>6} {pct(all_wall, 0.5):>9.1f} {pct(all_wall, 0.99):>9.1f} "
         f"{pct(all_cpu, 0.5):>8.1f} {pct(all_cpu, 0.99):>8.1f}"
     )
+    sites = ("rec_ns", "send_ns", "poll_ns", "wrap_ns")
+    split = {k: pct([x / 1000.0 for _, prof in rows for x in prof.get(k, [])], 0.5) for k in sites}
+    print(
+        "by call site, wall p50: step record {rec_ns:.1f} (of which the client's send {send_ns:.1f}), "
+        "polls {poll_ns:.1f}, actuator wrapper {wrap_ns:.1f} µs".format(**split)
+    )
     ref = [x / 1000.0 for _, prof in rows for x in prof["ref_cpu_ns"]]
     polls = [x for _, prof in rows for x in prof["polls"]]
     print(

@@ -38,7 +38,21 @@ logger = logging.getLogger("sglang_hook")
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
 PROFILE_FLUSH_EVERY = 32
 # What the benchmark profiler records per decode step (bench/bench_hook.py reads the same keys).
-PROFILE_KEYS = ("hook_ns", "hook_cpu_ns", "record_cpu_ns", "polls", "ref_cpu_ns", "step_us", "bs")
+PROFILE_KEYS = (
+    "hook_ns",
+    "hook_cpu_ns",
+    "record_cpu_ns",
+    "polls",
+    "ref_cpu_ns",
+    "step_us",
+    "bs",
+    # hook_ns split by call site (wall): the step record (of which: the client's send), the
+    # polls at the top of scheduler iterations, the actuator wrapper.
+    "rec_ns",
+    "send_ns",
+    "poll_ns",
+    "wrap_ns",
+)
 
 
 class HookRuntime:
@@ -76,6 +90,7 @@ class HookRuntime:
         self.pending_wall_ns = 0
         self.pending_cpu_ns = 0
         self.pending_polls = 0
+        self.pending_site_ns = {"rec": 0, "send": 0, "poll": 0, "wrap": 0}
         self._profile: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
 
     # ------------------------------------------------------------------ entry rank: controller
@@ -160,14 +175,14 @@ class HookRuntime:
             self._record_decode(scheduler, batch, result)
             if t0 is not None:
                 self._profile["record_cpu_ns"].append(time.thread_time_ns() - t0[1])
-                self.stop(t0)
+                self.stop(t0, "rec")
                 self._profile_step()
         elif mode.is_extend():
             n = getattr(batch, "extend_num_tokens", None)
             if type(n) is int and n > 0:
                 self.prefill_tokens += n
             if t0 is not None:
-                self.stop(t0)
+                self.stop(t0, "rec")
 
     def _record_decode(self, scheduler: Any, batch: Any, result: Any) -> None:
         now_ns = time.monotonic_ns()
@@ -216,22 +231,31 @@ class HookRuntime:
 
     def send(self, client: Any, step: Step) -> None:
         """Send one record (never blocks); staleness starts counting at the first unanswered one."""
-        client.send_step(step)
+        if self.profiler is not None:
+            t0 = time.perf_counter_ns()
+            client.send_step(step)
+            self.pending_site_ns["send"] += time.perf_counter_ns() - t0
+        else:
+            client.send_step(step)
         if self._unanswered_since_ns is None:
             self._unanswered_since_ns = step.ts_ns
 
     def on_idle(self) -> None:
         self.prev_decode_ns = None
         self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = 0
+        for site in self.pending_site_ns:
+            self.pending_site_ns[site] = 0
 
     # Benchmark profiler (only when $SPECDEPTH_PROFILE_OUT is set; otherwise nothing is timed).
     @staticmethod
     def start() -> tuple[int, int]:
         return time.perf_counter_ns(), time.thread_time_ns()
 
-    def stop(self, t0: tuple[int, int]) -> None:
-        self.pending_wall_ns += time.perf_counter_ns() - t0[0]
+    def stop(self, t0: tuple[int, int], site: str = "wrap") -> None:
+        wall = time.perf_counter_ns() - t0[0]
+        self.pending_wall_ns += wall
         self.pending_cpu_ns += time.thread_time_ns() - t0[1]
+        self.pending_site_ns[site] += wall
 
     def _profile_step(self) -> None:
         prof = self._profile
@@ -244,6 +268,10 @@ class HookRuntime:
         sum(range(200))
         prof["ref_cpu_ns"].append(time.thread_time_ns() - t0)
         self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = 0
+        sites = self.pending_site_ns
+        for site in sites:
+            prof[site + "_ns"].append(sites[site])
+            sites[site] = 0
         prof["step_us"].append(self.last_step_us)
         prof["bs"].append(self.last_bs)
         if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
@@ -331,7 +359,7 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
             rt.state.counters.hook_errors += 1
             log_once("offer", "spec controller: polling failed; no decision this step", exc=True)
         if t0 is not None:
-            rt.stop(t0)
+            rt.stop(t0, "poll")
             rt.pending_polls += 1
     out = original(receiver, recv_reqs, *args, **kwargs)
     try:
