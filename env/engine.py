@@ -45,7 +45,7 @@ import numpy as np
 from controller._jit import maybe_njit
 from controller.errors import ConfigError
 from controller.protocol import Step
-from env.latency import STEP_COEFFS, step_coeffs, step_time_kernel, step_time_us
+from env.latency import step_coeffs, step_time_us, step_times_kernel
 from env.params import SimParams
 from env.workload import Arrivals, WorkloadSpec, parse_workload
 
@@ -55,7 +55,6 @@ N_COLS = 6
 _BLOCK = 4096
 _ACC_ROWS = 32768  # rows of pre-drawn uniforms per refill (one row per request-step)
 _MAX_POS = 64  # draft positions the acceptance model covers (the deepest depth)
-_N_LAT = len(STEP_COEFFS)
 
 
 class SimulationDone(ConfigError):
@@ -146,9 +145,9 @@ class Engine:
         self._pen_active = False
         pen_decay = math.exp(-1.0 / ap.stale_recover_steps)
         # Every constant the kernel reads, in one array (layout: _decode's docstring).
+        self._lat_c = step_coeffs(p.latency)
         self._consts = np.concatenate(
             [
-                step_coeffs(p.latency),
                 [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6],
                 self._base,
                 stale_table,
@@ -293,7 +292,10 @@ class Engine:
             drift_eps = self._drift_noise[self._drift_i]
             self._drift_i += 1
 
-        model_us, base_us, busy, tokens, self.drift, self._pen_active, n_done = _decode(
+        # Two kernel calls: numba's cache of a kernel is invalidated when its own file
+        # changes, not when a kernel it calls from another file does, so none calls across.
+        model_us, base_us = step_times_kernel(self._lat_c, n, depth, ctx_sum, pf)
+        busy, tokens, self.drift, self._pen_active, n_done = _decode(
             self._consts,
             self._ints,
             self._floats,
@@ -303,9 +305,8 @@ class Engine:
             n_before,
             self.now_us,
             depth,
-            ctx_sum,
-            pf,
             i0,
+            model_us,
             lat_eps,
             drift_eps,
             self.drift,
@@ -413,19 +414,17 @@ def _decode(
     n_before: int,
     now_us: int,
     depth: int,
-    ctx_sum: int,
-    prefill: int,
     i0: int,
+    model_us: float,
     lat_eps: float,
     drift_eps: float,
     drift: float,
     pen_active: bool,
-) -> tuple[float, float, int, int, float, bool, int]:
+) -> tuple[int, int, float, bool, int]:
     """One decode/verify step of the running batch ``[0, n)`` at ``depth``, in place.
 
     Args:
-        consts: :func:`env.latency.step_coeffs` of the deployment, then the stale penalty's
-            decay per drafting step, ``1/decay - 1``, the drift's sd and time constant (µs),
+        consts: the stale penalty's decay per drafting step, ``1/decay - 1``, the drift's sd and time constant (µs),
             the acceptance logit of each of the ``_MAX_POS`` draft positions, and the stale
             penalty after k steps without drafting (k = 0, 1, ...; none: no stale penalty).
         ints, floats: per request ``(rem, zs)`` and ``(xoff, pen, U .. OUT)``: remaining
@@ -434,20 +433,18 @@ def _decode(
             the step's end, ``now_us`` + busy time).
         noise: uniforms, rows ``i0 .. i0 + n`` this step's (unused at depth 0).
         acc: receives the accepted drafts per request (at depth > 0).
+        model_us: the latency model's time of this step (µs).
         lat_eps: this step's log-normal latency jitter (already × ``jitter``).
         drift_eps: this step's standard normal for the drift (unused without drift).
         drift, pen_active: the drift logit and whether any stale penalty is set.
 
     Returns:
-        The latency model's time of this step and of the same batch at depth 0 (µs), the
-        jittered busy time (µs), tokens emitted, the new drift and ``pen_active``, and how
-        many requests have no token left.
+        The jittered busy time (µs), tokens emitted, the new drift and ``pen_active``, and
+        how many requests have no token left.
     """
     rem, zs, xoff, pen = ints[0], ints[1], floats[0], floats[1]
-    o_base = _N_LAT + 4
+    o_base = 4
     o_stale = o_base + _MAX_POS
-    model_us = step_time_kernel(consts, n, depth, ctx_sum, prefill)
-    base_us = model_us if depth == 0 else step_time_kernel(consts, n, 0, ctx_sum, prefill)
     busy = max(1, int(model_us * math.exp(lat_eps)))
     tokens = n
     if depth > 0:
@@ -468,7 +465,7 @@ def _decode(
             tokens += a
         if pen_active:
             # The stale penalty fades while drafting; the zero-step run resets.
-            decay, grow = consts[_N_LAT], consts[_N_LAT + 1]
+            decay, grow = consts[0], consts[1]
             top = 0.0
             for j in range(n):
                 p = pen[j] * decay
@@ -496,9 +493,9 @@ def _decode(
                 xoff[j] -= new_pen - pen[j]
                 pen[j] = new_pen
             pen_active = True
-    sd = consts[_N_LAT + 2]
+    sd = consts[2]
     if sd > 0.0:
-        a_dt = math.exp(-busy / consts[_N_LAT + 3])
+        a_dt = math.exp(-busy / consts[3])
         drift = drift * a_dt + sd * math.sqrt(max(0.0, 1.0 - a_dt * a_dt)) * drift_eps
     for j in range(n_before, n):
         floats[2 + TFIRST, j] = now_us + busy
@@ -506,7 +503,7 @@ def _decode(
     for j in range(n):
         if rem[j] <= 0:
             n_done += 1
-    return float(model_us), float(base_us), int(busy), int(tokens), float(drift), bool(pen_active), n_done
+    return int(busy), int(tokens), float(drift), bool(pen_active), n_done
 
 
 @maybe_njit

@@ -488,6 +488,16 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
     return float(t)
 
 
+@maybe_njit
+def step_times_kernel(
+    c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float
+) -> tuple[float, float]:
+    """:func:`step_time_kernel` at ``depth`` and at depth 0 for the same batch, in one call
+    (the simulator's step needs both: the reward compares them)."""
+    t = step_time_kernel(c, bs, depth, ctx_tokens, prefill_tokens)
+    return t, (t if depth == 0 else step_time_kernel(c, bs, 0, ctx_tokens, prefill_tokens))
+
+
 def step_time_us_vec(lp: LatencyParams, bs, depth, ctx_tokens, prefill_tokens) -> np.ndarray:
     """:func:`step_time_us` over arrays of steps (for fitting to traces)."""
     bs = np.asarray(bs, dtype=float)
