@@ -245,8 +245,10 @@ class Engine:
         Raises:
             SimulationDone: the workload has no request left (check :attr:`done`).
         """
-        if depth < 0:
-            raise ConfigError(f"depth must be >= 0, got {depth}")
+        if not 0 <= depth <= _MAX_POS:  # the kernel reads one logit per draft position
+            raise ConfigError(
+                f"depth must be in 0..{_MAX_POS} (the acceptance model's positions), got {depth}"
+            )
         n_before = self.n
         t_next = self.arrivals.peek()
         if self.waiting or (t_next is not None and t_next <= self.now_us):
@@ -274,8 +276,6 @@ class Engine:
         i0 = 0
         if depth > 0:
             if depth > self._acc_k:
-                if depth > _MAX_POS:
-                    raise ConfigError(f"depth {depth}: the acceptance model covers depths up to {_MAX_POS}")
                 self._acc_k = min(max(depth, 2 * self._acc_k), _MAX_POS)
                 self._acc_noise = self._draw_acc_noise()
                 self._acc_i = 0

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from controller.errors import ConfigError
 from controller.features import Featurizer
 from controller.protocol import Step, from_wire
 from env.deployments import load_deployment
@@ -184,3 +185,17 @@ def test_finite_workload_ends(h200):
     assert len(eng.completed) == 5
     with pytest.raises(SimulationDone):
         eng.step(0)
+
+
+def test_depth_beyond_the_acceptance_model_is_refused(h200):
+    # The compiled step reads one logit per draft position: past the model's 64 positions
+    # it must refuse, not read past its table.
+    eng = Engine(h200, "closed:4")
+    eng.reset(0)
+    eng.step(64)
+    seq = eng.seq
+    with pytest.raises(ConfigError, match="0..64"):
+        eng.step(65)
+    with pytest.raises(ConfigError, match="0..64"):
+        eng.step(-1)
+    assert eng.step(2).seq == seq  # a refused step changed nothing
