@@ -37,6 +37,10 @@ logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
 PROFILE_FLUSH_EVERY = 32
+# The top of a scheduler iteration polls the controller only when the newest step record is
+# older than this: a fresher one cannot have its decision back, and the record itself polled
+# just before sending. Long prefills and idle gaps still poll (staleness must see decisions).
+POLL_AFTER_NS = 1_000_000
 # What the benchmark profiler records per decode step (bench/bench_hook.py reads the same keys).
 PROFILE_KEYS = (
     "hook_ns",
@@ -46,8 +50,9 @@ PROFILE_KEYS = (
     "ref_cpu_ns",
     "step_us",
     "bs",
-    # hook_ns split by call site (wall): the step record (of which: the client's send), the
-    # polls at the top of scheduler iterations, the actuator wrapper.
+    # hook_ns split by call site (wall): the step record (of which: the client's poll + send),
+    # the visits at the top of scheduler iterations (polling only after POLL_AFTER_NS), the
+    # actuator wrapper.
     "rec_ns",
     "send_ns",
     "poll_ns",
@@ -76,6 +81,7 @@ class HookRuntime:
         self._unanswered_since_ns: int | None = None
         self._stale_ns = int(config.stale_ms * 1e6)
         self._client_failed = False
+        self._last_send_ns = 0  # monotonic ns of the newest step record sent
         self.instance = ""
         self.hello_depths: tuple[int, ...] = ()
         self.seq = 0
@@ -141,22 +147,31 @@ class HookRuntime:
         return self.client
 
     def offer(self, server_args: Any) -> DepthSync | None:
-        """Entry rank, top of each scheduler iteration: poll (non-blocking) and maybe emit a marker."""
+        """Entry rank, top of each scheduler iteration: maybe poll (never blocking), maybe emit a marker."""
         client = self._ensure_client(server_args)
-        return self.sync.offer(None if client is None else self._fresh_depth(client))
+        return self.sync.offer(None if client is None else self.current_depth(client))
+
+    def current_depth(self, client: Any) -> int | None:
+        """The depth to use now, or None (fall back); polls only if the newest record is old."""
+        if time.monotonic_ns() - self._last_send_ns > POLL_AFTER_NS:
+            self._poll(client)
+        return self._fresh_depth(client)
+
+    def _poll(self, client: Any) -> None:
+        """Drain the controller's replies (the newest valid decision wins); restart the staleness clock."""
+        client.poll_decision()
+        seen = client.counters["decisions"]
+        if seen != self._decisions_seen:
+            self._decisions_seen = seen
+            self._unanswered_since_ns = None
 
     def _fresh_depth(self, client: Any) -> int | None:
-        """The newest decision, unless steps have gone unanswered for ``stale_ms``.
+        """The newest decision polled, unless steps have gone unanswered for ``stale_ms``.
 
         Staleness runs only while steps are outstanding: decisions answer steps, so an idle
         server (no steps) keeps its last decision instead of flapping to the fallback, while a
         dead or stuck controller is noticed ``stale_ms`` after the first unanswered step.
         """
-        client.poll_decision()  # drains every pending reply; the newest valid decision wins
-        seen = client.counters["decisions"]
-        if seen != self._decisions_seen:
-            self._decisions_seen = seen
-            self._unanswered_since_ns = None
         depth = client.depth
         since = self._unanswered_since_ns
         if depth is None or (since is not None and time.monotonic_ns() - since > self._stale_ns):
@@ -230,13 +245,23 @@ class HookRuntime:
         self.send(client, step)
 
     def send(self, client: Any, step: Step) -> None:
-        """Send one record (never blocks); staleness starts counting at the first unanswered one."""
+        """Poll, then send one record (never blocks); staleness counts from the first unanswered one.
+
+        The poll rides here, next to the send, rather than in a separate visit to ZeroMQ at the
+        top of the next scheduler iteration: each visit to the socket after a GPU step runs
+        from cold caches (tens of µs on the H200 host), so one visit per step costs less than
+        two. What it drains (the previous step's decision) is applied at the next iteration,
+        exactly as a poll there would have (the decision to this step cannot be back yet).
+        """
         if self.profiler is not None:
             t0 = time.perf_counter_ns()
+            self._poll(client)
             client.send_step(step)
             self.pending_site_ns["send"] += time.perf_counter_ns() - t0
         else:
+            self._poll(client)
             client.send_step(step)
+        self._last_send_ns = step.ts_ns
         if self._unanswered_since_ns is None:
             self._unanswered_since_ns = step.ts_ns
 

@@ -210,7 +210,7 @@ def _tp_rank_main(rank: int, world: int, init_file: str, script: list[int | None
     controller.init_states(cuda_graph_bs=None)
     if rank == 0:
         rt.client = object()  # connected; decisions come from the script
-        rt._fresh_depth = ScriptedDecisions(script)  # type: ignore[method-assign]
+        rt.current_depth = ScriptedDecisions(script)  # type: ignore[method-assign]
 
     def original(receiver: Any, recv_reqs: Any) -> Any:
         return broadcast_pyobj(recv_reqs, rank, None, src=0)
@@ -276,13 +276,13 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
     def step_until(want: int | None, timeout_s: float = 5.0) -> int | None:
         nonlocal seq
         deadline = time.monotonic() + timeout_s
-        got = rt._fresh_depth(rt.client)
+        got = rt.current_depth(rt.client)
         while got != want and time.monotonic() < deadline:
             seq += 1
             step = Step(rt.instance, seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns())
             rt.send(rt.client, step)
             time.sleep(0.01)
-            got = rt._fresh_depth(rt.client)
+            got = rt.current_depth(rt.client)
         return got
 
     server, thread = serve()
@@ -291,7 +291,7 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
         assert rt.hello_depths == DEPTHS
         assert step_until(2) == 2
         time.sleep(0.5)  # idle for longer than stale_ms: no steps, nothing to answer
-        assert rt._fresh_depth(rt.client) == 2
+        assert rt.current_depth(rt.client) == 2
     finally:
         server.stop()
         thread.join(5)
