@@ -412,7 +412,14 @@ def main() -> int:
 
     scale = 0.2 if args.quick else 1.0
     tmp = Path(tempfile.mkdtemp(prefix="bench_service_"))
-    policy = args.policy or make_ppo_zip(tmp / "ppo.zip")
+    if args.policy:
+        global DEPTHS
+        from controller.ppo_policy import read_ppo_zip
+
+        DEPTHS = read_ppo_zip(args.policy)[0].depths  # the instances announce the zip's own depths
+        policy = args.policy
+    else:
+        policy = make_ppo_zip(tmp / "ppo.zip")
     cores = cores_available()
     server_cores = {cores[0]} if len(cores) > 1 else None
     # Keep the load generator off the server's cores (two of them for the I/O-thread layout).
@@ -425,7 +432,7 @@ def main() -> int:
         flush=True,
     )
     print(
-        f"# policy {policy}; server pinned to cores {server_cores}, load on cores {sorted(driver_cores)}",
+        f"# policy {policy} (depths {list(DEPTHS)}); server pinned to cores {server_cores}, load on cores {sorted(driver_cores)}",
         flush=True,
     )
 
