@@ -45,7 +45,7 @@ from controller.client import ControllerClient  # noqa: E402
 from controller.features import Featurizer  # noqa: E402
 from controller.protocol import Hello, Step, pack, parse_step, unpack  # noqa: E402
 
-DEPTHS = (0, 1, 2, 3, 4, 5)
+DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
 ARCH = (64, 64)
 
 
