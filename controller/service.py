@@ -50,6 +50,7 @@ import zmq
 
 from controller.errors import ConfigError, ControllerError, PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer
+from controller.features import warm_up as warm_up_featurizer
 from controller.metrics import LATENCY_BUCKETS_NS, ServiceStats
 from controller.policy import Policy, PolicyFactory, StaticPolicy, make_factory
 from controller.protocol import (
@@ -228,6 +229,9 @@ class Server:
     ) -> None:
         self.config = config
         self.factory = factory if factory is not None else load_policy(config.policy)
+        # Before binding: a hook that connects must get its first decision at full speed, not
+        # after numba compiled (or loaded) the Featurizer on that first step.
+        warm_up_featurizer()
         self.stats = ServiceStats()
         self._sessions: dict[str, _Session] = {}
         self._dirty: set[TraceWriter] = set()
