@@ -244,9 +244,10 @@ def test_one_record_per_decode_step_matching_sglangs_own_log(stack: Stack) -> No
     assert 0.95 <= ratios[len(ratios) // 2] <= 1.05, ratios
     assert sum(abs(x - 1) < 0.2 for x in ratios) >= 0.75 * len(ratios), ratios
     # Summed, preemptions cancel but a step whose two clock readings straddle a prefill does
-    # not (seen: −6.2% on a clean CI run with every per-step check above passing), so the sum
-    # only guards against a systematic bias: a wrong unit or a gap counted twice is ≥ 2×.
-    assert abs(sum(ours) / sum(theirs) - 1) < 0.10, (sum(ours), sum(theirs))
+    # not (seen on clean CI runs with every per-step check above passing: −6.2%, and −10.7%
+    # on a loaded box), so the sum only guards against a systematic bias: a wrong unit or a
+    # gap counted twice is ≥ 2×.
+    assert abs(sum(ours) / sum(theirs) - 1) < 0.25, (sum(ours), sum(theirs))
     assert all(0.0 <= r["kv_usage"] <= 1.0 for r in recs)
     assert all(r["ctx_tokens"] >= r["bs"] for r in recs)
 
