@@ -14,6 +14,9 @@ loses nothing the OS has; a power loss may). With the default ``flush_bytes=0`` 
 is drained and at least every ``flush_bytes``, so a ``kill -9`` loses at most the burst being
 handled. A torn last record is skipped by :func:`iter_records`; it never hides the ones before.
 
+Readers also take gzip-compressed files (``<instance>-<start>.msgpack.gz``, e.g. after
+``gzip runs/*.msgpack``): traces compress 7× and the bundled examples are kept that way.
+
 Table (:func:`load_traces`), one row per record, in file order:
 
 ==================  =====================================================================
@@ -36,15 +39,17 @@ int64, reads as null (recorded frames are verbatim, and unknown keys are allowed
 from __future__ import annotations
 
 import argparse
+import gzip
 import io
 import math
 import os
 import re
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgpack
 
@@ -55,6 +60,7 @@ if TYPE_CHECKING:  # pandas is only needed by readers, never by the service's ho
     import pandas as pd
 
 SUFFIX = ".msgpack"
+GZ_SUFFIX = SUFFIX + ".gz"  # read, never written: archives and the bundled examples
 # A record is one wire frame (≤ 64 KiB) plus the rx_ns entry; a longer unreadable tail is
 # corruption, not a torn write.
 MAX_RECORD_BYTES = MAX_FRAME_BYTES + 64
@@ -216,12 +222,21 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     naming the file and the byte offset.
     """
     path = Path(path)
+    f: BinaryIO
     try:
-        f = open(path, "rb")  # noqa: SIM115 — closed in finally; the generator may stop early
-    except OSError as exc:
-        raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
+        if path.name.endswith(GZ_SUFFIX):
+            # Decompressed whole: the torn-tail check needs the decompressed size.
+            with gzip.open(path, "rb") as gz:
+                f = io.BytesIO(gz.read())
+            size = len(f.getbuffer())
+        else:
+            f = open(path, "rb")  # noqa: SIM115 — closed in finally; the generator may stop early
+            size = os.fstat(f.fileno()).st_size
+    except (OSError, EOFError, zlib.error) as exc:  # gzip: not gzip, truncated, corrupt
+        raise TraceError(
+            f"cannot read trace {str(path)!r}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     try:
-        size = os.fstat(f.fileno()).st_size
         unpacker = msgpack.Unpacker(
             f, raw=False, strict_map_key=False, max_buffer_size=4 * MAX_RECORD_BYTES, read_size=1 << 16
         )
@@ -257,14 +272,14 @@ def trace_files(directory: str | os.PathLike[str]) -> list[Path]:
     folder = Path(directory)
     if not folder.is_dir():
         raise TraceError(f"trace folder {str(folder)!r} does not exist")
-    files = [p for p in folder.iterdir() if p.suffix == SUFFIX and p.is_file()]
+    files = [p for p in folder.iterdir() if p.name.endswith((SUFFIX, GZ_SUFFIX)) and p.is_file()]
     if not files:
-        raise TraceError(f"trace folder {str(folder)!r} holds no *{SUFFIX} files")
+        raise TraceError(f"trace folder {str(folder)!r} holds no *{SUFFIX} or *{GZ_SUFFIX} files")
     return sorted(files, key=_start_key)
 
 
 def _start_key(path: Path) -> tuple[int, str]:
-    stem = path.stem
+    stem = path.name.removesuffix(".gz").removesuffix(SUFFIX)
     head, _, start = stem.rpartition("-")
     return (int(start), head) if start.isdigit() else (0, stem)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import math
 import os
 from pathlib import Path
@@ -119,6 +120,26 @@ def test_huge_bogus_length_is_corruption_not_a_torn_tail(tmp_path: Path) -> None
     path.write_bytes(data[:first] + b"\xdb\x7f\xff\xff\xff" + data[first:] * 200)
     with pytest.raises(TraceError, match=f"from byte {first}"):
         list(iter_records(path))
+
+
+def test_gzipped_traces_read_like_plain_ones(tmp_path: Path) -> None:
+    plain = write_session(tmp_path / "plain", n=5, start_ns=1)
+    later = write_session(tmp_path / "plain", n=2, start_ns=3)
+    gz_dir = tmp_path / "gz"
+    gz_dir.mkdir()
+    gz_dir.joinpath("a-2.msgpack.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    gz_dir.joinpath(later.name).write_bytes(later.read_bytes())  # mixed folders are fine
+    assert [p.name for p in trace_files(gz_dir)] == ["a-2.msgpack.gz", "a-3.msgpack"]
+    assert list(iter_records(gz_dir / "a-2.msgpack.gz")) == list(iter_records(plain))
+    # A torn tail inside the compressed stream is skipped exactly like a plain one.
+    data = plain.read_bytes()
+    gz_dir.joinpath("a-2.msgpack.gz").write_bytes(gzip.compress(data[:-3]))
+    assert list(iter_records(gz_dir / "a-2.msgpack.gz")) == list(iter_records(plain))[:-1]
+    # Not gzip, or a truncated gzip stream: one TraceError naming the file.
+    for bad in (data, gzip.compress(data)[:-10]):
+        gz_dir.joinpath("a-2.msgpack.gz").write_bytes(bad)
+        with pytest.raises(TraceError, match="a-2.msgpack.gz"):
+            list(iter_records(gz_dir / "a-2.msgpack.gz"))
 
 
 def test_load_traces_columns_and_types(tmp_path: Path) -> None:
