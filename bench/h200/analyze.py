@@ -16,6 +16,7 @@ Usage: python bench/h200/analyze.py bench/results/h200/raw/run1_res.tar.gz bench
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import shutil
 import subprocess
@@ -33,12 +34,15 @@ DEPTHS = "0,1,3,5"
 def load(tarballs: list[Path], work: Path) -> tuple[list[dict], list[dict], list[tuple[str, Path]]]:
     """(summaries, per-request rows, (call, result folder)) of the tarballs, in call order.
 
-    Every run and row gets ``call`` = ``call1``, ``call2``, ... (one device call = one machine:
-    numbers from different calls are not side by side).
+    Every run and row gets ``call`` = ``call1``, ``call2``, ... after its tarball (one tarball =
+    one machine: numbers from different ones are not side by side). A machine kept warm across
+    device calls packs the earlier calls' results too (``prev_*``); each result folder counts
+    once, under the first tarball that holds it.
     """
     if work.exists():
         shutil.rmtree(work)
     summaries, rows, folders = [], [], []
+    seen: set[float] = set()
     for i, tar_path in enumerate(tarballs, 1):
         call = f"call{i}"
         dest = work / call
@@ -47,6 +51,9 @@ def load(tarballs: list[Path], work: Path) -> tuple[list[dict], list[dict], list
             tar.extractall(dest, filter="data")
         for folder in sorted((p.parent for p in dest.glob("res/**/summary.json")), key=lambda p: p.name):
             summary = json.loads((folder / "summary.json").read_text())
+            if summary.get("started_unix") in seen:
+                continue
+            seen.add(summary.get("started_unix"))
             for m in summary.get("runs", []):
                 m["call"] = call
             summary["call"] = call
@@ -159,7 +166,10 @@ def table(runs: list[dict], level: str, call: str) -> list[str]:
 
 
 def copy_traces(folders: list[tuple[str, Path]], dest_root: Path) -> dict[str, Path]:
-    """Copy each level's controller traces to ``dest_root/h200-real-<level>/<call>-<policy>-<file>``."""
+    """Copy each level's controller traces to ``dest_root/h200-real-<level>/<call>-<policy>-<file>.gz``.
+
+    Gzipped (the trace readers take both; 7× smaller in the repository).
+    """
     out: dict[str, Path] = {}
     for call, folder in folders:
         troot = folder / "traces"
@@ -169,7 +179,11 @@ def copy_traces(folders: list[tuple[str, Path]], dest_root: Path) -> dict[str, P
             level, policy = f.parent.parent.name, f.parent.name
             d = dest_root / f"h200-real-{level}"
             d.mkdir(parents=True, exist_ok=True)
-            shutil.copy(f, d / f"{call}-{policy}-{f.name}")
+            with (
+                f.open("rb") as src,
+                gzip.GzipFile(d / f"{call}-{policy}-{f.name}.gz", "wb", 9, mtime=0) as dst,
+            ):
+                shutil.copyfileobj(src, dst)
             out[level] = d
     return out
 
@@ -205,15 +219,26 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                     "cpu_p99_us": pct(cpu, 0.99),
                     "ref_cpu_p50_us": pct([x / 1000 for x in prof["ref_cpu_ns"]], 0.5),
                     "step_p50_us": pct(step, 0.5) if step else float("nan"),
+                    # By call site (wall p50): the record (of which the client's socket visit),
+                    # the visits at the top of scheduler iterations. Older profiles lack them.
+                    **{
+                        f"{site}_p50_us": pct([x / 1000 for x in prof[f"{site}_ns"]], 0.5)
+                        for site in ("rec", "send", "poll")
+                        if prof.get(f"{site}_ns")
+                    },
                 }
             )
     lines = ["### the hook's time per decode step, inside the GPU scheduler (entry rank)", "",
-             "| call | level | steps | wall p50 / p99 µs | CPU p50 / p99 µs | step p50 µs | hook / step |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| call | level | steps | wall p50 / p99 µs | CPU p50 / p99 µs | record / socket / iteration-top p50 µs"
+             " | step p50 µs | hook / step |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        sites = " / ".join(
+            f"{r[k]:.1f}" if k in r else "–" for k in ("rec_p50_us", "send_p50_us", "poll_p50_us")
+        )
         lines.append(
             f"| {r['call']} | {r['level']} | {r['steps']} | {r['wall_p50_us']:.1f} / {r['wall_p99_us']:.1f} | "
-            f"{r['cpu_p50_us']:.1f} / {r['cpu_p99_us']:.1f} | {r['step_p50_us']:.0f} | "
+            f"{r['cpu_p50_us']:.1f} / {r['cpu_p99_us']:.1f} | {sites} | {r['step_p50_us']:.0f} | "
             f"{100 * r['wall_p50_us'] / r['step_p50_us']:.2f}% |"
         )
     return lines + [""], rows
