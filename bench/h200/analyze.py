@@ -10,7 +10,7 @@ Runs here (CPU), after ``run.py`` came back from the device:
 4. refits the simulator on them (``controller fit``) per acceptance level and runs the same
    policies in it (``controller bench``): step-latency MAPE and throughput per C, sim vs real.
 
-Usage: python bench/h200/analyze.py bench/results/h200/raw/run1_res.tar.gz bench/results/h200/raw/run2_res.tar.gz
+Usage: python bench/h200/analyze.py bench/results/h200/raw/run{1,2,6}_res.tar.xz --ppo bench/results/h200/ppo2/ppo.zip
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,9 @@ def load(tarballs: list[Path], work: Path) -> tuple[list[dict], list[dict], list
     summaries, rows, folders = [], [], []
     seen: set[float] = set()
     for i, tar_path in enumerate(tarballs, 1):
-        call = f"call{i}"
+        # runN_res.tar.* is device call N: the label survives leaving superseded calls out.
+        num = re.match(r"run(\d+)_", tar_path.name)
+        call = f"call{num.group(1) if num else i}"
         dest = work / call
         dest.mkdir(parents=True)
         with tarfile.open(tar_path) as tar:
@@ -377,7 +380,14 @@ def main() -> int:
             if any(m["server"] == level and m["call"] == call for m in runs):
                 md += [f"### level `{level}`, {call}", ""] + table(runs, level, call) + [""]
     if not args.no_sim:
-        traces = copy_traces(folders, args.traces_root)
+        copy_traces(folders, args.traces_root)
+        # The committed raw tarballs leave the traces out (they are in the example folders,
+        # gzipped): refit on every trace of each level found there.
+        traces = {
+            level: args.traces_root / f"h200-real-{level}"
+            for level in levels
+            if (args.traces_root / f"h200-real-{level}").is_dir()
+        }
         result["sim_vs_real"] = {}
         for level, tdir in traces.items():
             lines, rep = sim_vs_real(level, tdir, args.out, runs, args.ppo)

@@ -12,6 +12,7 @@ is seen at every load (what a fit needs); workloads span light to saturated load
 
 from __future__ import annotations
 
+import gzip
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -52,7 +53,17 @@ def make(deployment: str, seed: int = 0) -> Path:
                 w.write(rec.to_wire(), rx)
                 nxt = DEPTHS[((k + 1) // 40) % len(DEPTHS)]
                 w.write(Decision(instance=instance, seq=rec.seq, depth=nxt).to_wire(), rx + 20_000)
+        gzip_in_place(w.path)
     return folder
+
+
+def gzip_in_place(path: Path) -> Path:
+    """``path`` → ``path.gz`` (mtime 0: regenerating gives identical bytes); readers take both."""
+    out = path.with_name(path.name + ".gz")
+    with path.open("rb") as src, gzip.GzipFile(out, "wb", 9, mtime=0) as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return out
 
 
 def main() -> None:
