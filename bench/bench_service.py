@@ -7,7 +7,9 @@
 Rows (every number measured in this run; ratios side by side, interleaved in blocks):
 
 1. in-controller: message received -> decision sent, inside ``controller serve`` with the PPO
-   MLP, from the server's own ``--latency-log``; lock-step traffic, 1 instance.
+   MLP, from the server's own ``--latency-log``; lock-step traffic, 1 instance. Measured with
+   the whole server on one core, and (on machines with >= 4 cores) with a second core for its
+   ZeroMQ I/O thread, which otherwise preempts the serving thread on every send.
 2. round trip over ``ipc://``: hook sends a step, waits for the decision, against a bare
    Python ZeroMQ ROUTER echo; p50 ratio.
 3. throughput: the server pinned to one core, 8 instances with 64 steps in flight each;
@@ -438,36 +440,47 @@ def main() -> int:
 
     rows: list[tuple[str, str, str, str]] = []
 
-    # 1 + 2: in-controller latency and the round trip against a bare echo, side by side.
+    # 1 + 2: in-controller latency and the round trip against a bare echo, side by side: the
+    # whole server process on one core (its ZeroMQ I/O thread preempts the serving thread on
+    # every send there), and, where cores allow, with a second core for the I/O thread (as an
+    # unpinned `controller serve` runs).
     n_rt = int(20_000 * scale)
-    ctl_ep, echo_ep = f"ipc://{tmp}/ctl.sock", f"ipc://{tmp}/echo.sock"
-    lat_log = tmp / "latency.bin"
-    server = serve(str(policy), ctl_ep, server_cores, lat_log)
-    echo = Proc([sys.executable, str(Path(__file__).resolve()), "--echo", echo_ep], server_cores, echo_ep)
-    try:
-        ctl_rt, echo_rt = bench_round_trip(ctl_ep, echo_ep, n_rt)
-    finally:
-        echo.stop()
-        server.stop()
-    lat = np.fromfile(lat_log, dtype=np.int64)[min(500, n_rt // 10) :]
-    p50, p99 = pct(lat, 50), pct(lat, 99)
-    rows.append(("in-controller recv->decision, PPO MLP, p50", f"{p50:.1f} µs", "≤ 20 µs", _ok(p50 <= 20)))
-    rows.append(("in-controller recv->decision, PPO MLP, p99", f"{p99:.1f} µs", "≤ 50 µs", _ok(p99 <= 50)))
-    c50, e50 = pct(ctl_rt, 50), pct(echo_rt, 50)
-    rows.append(("round trip ipc, controller p50 / p99", f"{c50:.1f} / {pct(ctl_rt, 99):.1f} µs", "", ""))
-    rows.append(
-        ("round trip ipc, bare ROUTER echo p50 / p99", f"{e50:.1f} / {pct(echo_rt, 99):.1f} µs", "", "")
-    )
-    rows.append(
-        ("round trip p50 ratio controller / echo", f"{c50 / e50:.2f}", "≤ 1.3", _ok(c50 / e50 <= 1.3))
-    )
+    layouts = [("whole process on 1 core", server_cores)]
+    if len(cores) >= 4:
+        layouts.append(("serving thread 1 core + ZeroMQ I/O thread", set(cores[:2])))
+    for i, (label, pinned) in enumerate(layouts):
+        ctl_ep, echo_ep = f"ipc://{tmp}/ctl{i}.sock", f"ipc://{tmp}/echo{i}.sock"
+        lat_log = tmp / f"latency{i}.bin"
+        server = serve(str(policy), ctl_ep, pinned, lat_log)
+        echo = Proc([sys.executable, str(Path(__file__).resolve()), "--echo", echo_ep], pinned, echo_ep)
+        try:
+            ctl_rt, echo_rt = bench_round_trip(ctl_ep, echo_ep, n_rt)
+        finally:
+            echo.stop()
+            server.stop()
+        lat = np.fromfile(lat_log, dtype=np.int64)[min(500, n_rt // 10) :]
+        p50, p99 = pct(lat, 50), pct(lat, 99)
+        rows.append((f"{label}:", "", "", ""))
+        rows.append(
+            ("  in-controller recv->decision, PPO MLP, p50", f"{p50:.1f} µs", "≤ 20 µs", _ok(p50 <= 20))
+        )
+        rows.append(
+            ("  in-controller recv->decision, PPO MLP, p99", f"{p99:.1f} µs", "≤ 50 µs", _ok(p99 <= 50))
+        )
+        c50, e50 = pct(ctl_rt, 50), pct(echo_rt, 50)
+        rows.append(
+            ("  round trip ipc, controller p50 / p99", f"{c50:.1f} / {pct(ctl_rt, 99):.1f} µs", "", "")
+        )
+        rows.append(
+            ("  round trip ipc, bare ROUTER echo p50 / p99", f"{e50:.1f} / {pct(echo_rt, 99):.1f} µs", "", "")
+        )
+        rows.append(
+            ("  round trip p50 ratio controller / echo", f"{c50 / e50:.2f}", "≤ 1.3", _ok(c50 / e50 <= 1.3))
+        )
 
     # 3: throughput from 8 instances: the whole server process on one core (its ZeroMQ I/O
     # thread included), and, where cores allow, the serving thread alone on one core.
     n_inst, per = 8, int(25_000 * scale)
-    layouts = [("whole process on 1 core", server_cores)]
-    if len(cores) >= 4:
-        layouts.append(("serving thread 1 core + ZeroMQ I/O thread", set(cores[:2])))
     for label, pinned in layouts:
         tp_ep = f"ipc://{tmp}/tp.sock"
         server = serve(str(policy), tp_ep, pinned)
