@@ -307,3 +307,34 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
         rt.client.close()
         server.stop()
         thread.join(5)
+
+
+def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
+    """The record drains replies before sending; the iteration top polls only when it is stale."""
+    import time
+
+    from controller.protocol import Step
+
+    class CountingClient:
+        def __init__(self) -> None:
+            self.polls = self.sends = 0
+            self.depth: int | None = 3
+            self.counters = {"decisions": 0}
+
+        def poll_decision(self) -> int | None:
+            self.polls += 1
+            self.counters["decisions"] += 1  # a decision came back each time
+            return self.depth
+
+        def send_step(self, step: Step) -> None:
+            self.sends += 1
+
+    rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
+    client = CountingClient()
+    for seq in range(1, 4):
+        rt.send(client, Step("i", seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()))
+        assert rt.current_depth(client) == 3  # right after a record: no second visit
+    assert (client.sends, client.polls) == (3, 3)
+    time.sleep(plugin.POLL_AFTER_NS / 1e9 + 0.005)  # a long prefill or an idle gap
+    assert rt.current_depth(client) == 3
+    assert client.polls == 4

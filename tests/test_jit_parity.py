@@ -121,5 +121,22 @@ def test_compiled_and_plain_python_agree_bit_for_bit() -> None:
     assert digests() == plain["digests"]
 
 
+@pytest.mark.skipif(not JIT_ENABLED, reason="numba not installed (or disabled): nothing to compile")
+def test_serve_compiles_the_featurizer_before_it_binds(tmp_path: Path) -> None:
+    """A (re)started controller answers its first step without waiting for the compiler."""
+    code = (
+        "from controller.features import _fold\n"
+        "from controller.service import ServeConfig, Server\n"
+        "assert not _fold.signatures\n"  # a fresh process: nothing compiled on import
+        f"s = Server(ServeConfig(policy='builtin:static:0', bind='ipc://{tmp_path}/c.sock'))\n"
+        "print(len(_fold.signatures))\n"
+        "s.close()\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) >= 1
+
+
 if __name__ == "__main__":
     print(json.dumps({"jit": JIT_ENABLED, "digests": digests()}))
