@@ -16,7 +16,6 @@ Usage: python bench/h200/analyze.py bench/results/h200/raw/run{1,2,6}_res.tar.xz
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import shutil
@@ -168,12 +167,13 @@ def table(runs: list[dict], level: str, call: str) -> list[str]:
     return lines
 
 
-def copy_traces(folders: list[tuple[str, Path]], dest_root: Path) -> dict[str, Path]:
+def copy_traces(folders: list[tuple[str, Path]], dest_root: Path) -> None:
     """Copy each level's controller traces to ``dest_root/h200-real-<level>/<call>-<policy>-<file>.gz``.
 
-    Gzipped (the trace readers take both; 7× smaller in the repository).
+    Gzipped the way the bundled examples are (the trace readers take both; 7× smaller).
     """
-    out: dict[str, Path] = {}
+    from env.example_traces.make import gzip_in_place
+
     for call, folder in folders:
         troot = folder / "traces"
         if not troot.is_dir():
@@ -182,13 +182,7 @@ def copy_traces(folders: list[tuple[str, Path]], dest_root: Path) -> dict[str, P
             level, policy = f.parent.parent.name, f.parent.name
             d = dest_root / f"h200-real-{level}"
             d.mkdir(parents=True, exist_ok=True)
-            with (
-                f.open("rb") as src,
-                gzip.GzipFile(d / f"{call}-{policy}-{f.name}.gz", "wb", 9, mtime=0) as dst,
-            ):
-                shutil.copyfileobj(src, dst)
-            out[level] = d
-    return out
+            gzip_in_place(Path(shutil.copy(f, d / f"{call}-{policy}-{f.name}")))
 
 
 def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
