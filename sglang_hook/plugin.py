@@ -7,11 +7,14 @@ run — the scheduler processes — and build their state there lazily (:class:`
 Hooks (see :mod:`sglang_hook.compat` for the exact targets):
 
 - ``AdaptiveController.__init__``: wrap ``.params`` with the actuator (every TP rank).
-- ``SchedulerRequestReceiver._broadcast_reqs_across_ranks``: the entry rank polls the
-  controller (never blocking) and adds a :class:`~sglang_hook.actuator.DepthSync` marker to the
-  request broadcast when its decision changes; every rank applies the marker it received.
+- ``SchedulerRequestReceiver._broadcast_reqs_across_ranks``: the entry rank reads the newest
+  decision and adds a :class:`~sglang_hook.actuator.DepthSync` marker to the request broadcast
+  when it changes; every rank applies the marker it received.
 - ``Scheduler.process_batch_result``: after each decode result, the entry rank builds one
-  ``step`` record and sends it (never blocking); prefill batches add to ``prefill_tokens``.
+  ``step`` record and hands it to the client thread; prefill batches add to ``prefill_tokens``.
+
+The entry rank's socket lives on a thread of its own (:class:`controller.client.ClientThread`):
+the scheduler thread never calls ZeroMQ, it only queues records and reads the newest decision.
 - ``Scheduler.on_idle``: the next decode's ``step_us`` is timed from its own launch.
 
 Every hook catches every exception, logs it once, and lets SGLang continue as if the hook
@@ -37,10 +40,6 @@ logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
 PROFILE_FLUSH_EVERY = 32
-# The top of a scheduler iteration polls the controller only when the newest step record is
-# older than this: a fresher one cannot have its decision back, and the record itself polled
-# just before sending. Long prefills and idle gaps still poll (staleness must see decisions).
-POLL_AFTER_NS = 1_000_000
 # What the benchmark profiler records per decode step (bench/bench_hook.py reads the same keys).
 PROFILE_KEYS = (
     "hook_ns",
@@ -50,13 +49,16 @@ PROFILE_KEYS = (
     "ref_cpu_ns",
     "step_us",
     "bs",
-    # hook_ns split by call site (wall): the step record (of which: the client's poll + send),
-    # the visits at the top of scheduler iterations (polling only after POLL_AFTER_NS), the
-    # actuator wrapper.
+    # hook_ns split by call site (wall): the step record (of which: handing it to the client
+    # thread), the visits at the top of scheduler iterations, the actuator wrapper.
     "rec_ns",
     "send_ns",
     "poll_ns",
     "wrap_ns",
+    # Off the scheduler thread: the client thread's CPU time since the previous record, and
+    # how long the newest record waited before its send (from its ts_ns).
+    "sender_cpu_ns",
+    "lag_ns",
 )
 
 
@@ -81,7 +83,7 @@ class HookRuntime:
         self._unanswered_since_ns: int | None = None
         self._stale_ns = int(config.stale_ms * 1e6)
         self._client_failed = False
-        self._last_send_ns = 0  # monotonic ns of the newest step record sent
+        self._sender_cpu_seen = 0
         self.instance = ""
         self.hello_depths: tuple[int, ...] = ()
         self.seq = 0
@@ -105,7 +107,7 @@ class HookRuntime:
         if self.client is not None or self._client_failed:
             return self.client
         try:
-            from controller.client import ControllerClient
+            from controller.client import ClientThread, ControllerClient
 
             spec_on = self.state.valid is not None
             depths = tuple(sorted(self.state.valid)) if spec_on else (0,)  # type: ignore[arg-type]
@@ -132,7 +134,11 @@ class HookRuntime:
                 model=model[:1024],
                 tp=self.ranks.tp_size,
             )
-            self.client = ControllerClient(self.config.endpoint, hello, stale_ms=self.config.stale_ms)
+            # The socket lives on a thread of its own: the scheduler only hands records over.
+            self.client = ClientThread(
+                ControllerClient(self.config.endpoint, hello, stale_ms=self.config.stale_ms),
+                profile=self.profiler is not None,
+            )
             logger.info(
                 "spec controller: instance %s -> %s (depths %s, stale %.0f ms)",
                 self.instance,
@@ -147,23 +153,17 @@ class HookRuntime:
         return self.client
 
     def offer(self, server_args: Any) -> DepthSync | None:
-        """Entry rank, top of each scheduler iteration: maybe poll (never blocking), maybe emit a marker."""
+        """Entry rank, top of each scheduler iteration: maybe emit a marker (never touches the socket)."""
         client = self._ensure_client(server_args)
         return self.sync.offer(None if client is None else self.current_depth(client))
 
     def current_depth(self, client: Any) -> int | None:
-        """The depth to use now, or None (fall back); polls only if the newest record is old."""
-        if time.monotonic_ns() - self._last_send_ns > POLL_AFTER_NS:
-            self._poll(client)
-        return self._fresh_depth(client)
-
-    def _poll(self, client: Any) -> None:
-        """Drain the controller's replies (the newest valid decision wins); restart the staleness clock."""
-        client.poll_decision()
-        seen = client.counters["decisions"]
-        if seen != self._decisions_seen:
+        """The depth to use now, or None (fall back): the client thread's newest decision, if fresh."""
+        seen = client.decisions
+        if seen != self._decisions_seen:  # a decision came back: restart the staleness clock
             self._decisions_seen = seen
             self._unanswered_since_ns = None
+        return self._fresh_depth(client)
 
     def _fresh_depth(self, client: Any) -> int | None:
         """The newest decision polled, unless steps have gone unanswered for ``stale_ms``.
@@ -245,23 +245,13 @@ class HookRuntime:
         self.send(client, step)
 
     def send(self, client: Any, step: Step) -> None:
-        """Poll, then send one record (never blocks); staleness counts from the first unanswered one.
-
-        The poll rides here, next to the send, rather than in a separate visit to ZeroMQ at the
-        top of the next scheduler iteration: each visit to the socket after a GPU step runs
-        from cold caches (tens of µs on the H200 host), so one visit per step costs less than
-        two. What it drains (the previous step's decision) is applied at the next iteration,
-        exactly as a poll there would have (the decision to this step cannot be back yet).
-        """
+        """Hand one record to the client thread (never blocks); staleness counts from the first unanswered one."""
         if self.profiler is not None:
             t0 = time.perf_counter_ns()
-            self._poll(client)
-            client.send_step(step)
+            client.submit(step)
             self.pending_site_ns["send"] += time.perf_counter_ns() - t0
         else:
-            self._poll(client)
-            client.send_step(step)
-        self._last_send_ns = step.ts_ns
+            client.submit(step)
         if self._unanswered_since_ns is None:
             self._unanswered_since_ns = step.ts_ns
 
@@ -299,6 +289,11 @@ class HookRuntime:
             sites[site] = 0
         prof["step_us"].append(self.last_step_us)
         prof["bs"].append(self.last_bs)
+        client = self.client
+        busy = client.busy_cpu_ns if client is not None else 0
+        prof["sender_cpu_ns"].append(busy - self._sender_cpu_seen)
+        self._sender_cpu_seen = busy
+        prof["lag_ns"].append(client.last_lag_ns if client is not None else 0)
         if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
             self.flush_profile()
 

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import zmq
 
-from controller.client import ControllerClient
+from controller.client import ClientThread, ControllerClient
 from controller.protocol import Hello, Step, pack
 from controller.service import ServeConfig, Server
 
@@ -278,3 +278,93 @@ def test_curve_encrypted_connection(tmp_path: Path) -> None:
         plain.close()
         secure.close()
         server.close()
+
+
+# --------------------------------------------------------------------------- ClientThread
+
+
+def test_client_thread_delivers_decisions_in_order(fake: tuple[FakeController, str]) -> None:
+    ctl, endpoint = fake
+    with ClientThread(connected(endpoint, ctl)) as thread:
+        for seq in range(1, 6):
+            thread.submit(make_step(seq))
+            got = ctl.recv()
+            assert (got["t"], got["seq"]) == ("step", seq)  # each record, in order
+            ctl.reply(decision(seq, seq % 4))
+            deadline = time.monotonic() + 3
+            while thread.decisions < seq and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert (thread.decisions, thread.depth) == (seq, seq % 4)
+        assert thread.dropped == thread.errors == 0
+
+
+def test_submit_never_blocks_while_the_client_thread_is_stuck(
+    fake: tuple[FakeController, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stuck sender (GIL-starved, a slow syscall) costs telemetry, never the caller's time."""
+    ctl, endpoint = fake
+    release = threading.Event()
+    original = ControllerClient.send_step
+
+    def stuck(self: ControllerClient, step: Step) -> None:
+        release.wait(10)
+        original(self, step)
+
+    client = connected(endpoint, ctl)
+    monkeypatch.setattr(ControllerClient, "send_step", stuck)
+    thread = ClientThread(client, maxlen=8)  # below the client's SNDHWM (16)
+    try:
+        t0 = time.monotonic()
+        for seq in range(1, 1001):
+            thread.submit(make_step(seq))
+        assert time.monotonic() - t0 < 1.0  # 1000 hand-overs while nothing is sent
+        assert len(thread._queue) == 8
+        assert 1000 - 8 - 1 <= thread.dropped <= 1000 - 8  # the stuck one was popped, or not yet
+        release.set()
+        seqs = [ctl.recv()["seq"]]  # whatever the stuck call held, then the queue
+        while ctl.sock.poll(300):
+            got = ctl.recv()
+            if got["t"] == "step":  # (a hello may come first: no decisions for stale_ms)
+                seqs.append(got["seq"])
+        assert seqs == sorted(seqs) and seqs[-1] == 1000, seqs  # the newest records survive
+    finally:
+        release.set()
+        thread.close()
+
+
+def test_client_thread_survives_an_exception_and_goes_on(
+    fake: tuple[FakeController, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctl, endpoint = fake
+    original = ControllerClient.send_step
+    calls = 0
+
+    def flaky(self: ControllerClient, step: Step) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug on the sender thread")
+        original(self, step)
+
+    client = connected(endpoint, ctl)
+    monkeypatch.setattr(ControllerClient, "send_step", flaky)
+    with ClientThread(client, idle_poll_ms=10) as thread:
+        thread.submit(make_step(1))
+        thread.submit(make_step(2))  # may ride the failed wake-up's queue
+        deadline = time.monotonic() + 3
+        while thread.errors == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert thread.errors == 1 and thread._thread.is_alive()
+        thread.submit(make_step(3))
+        assert ctl.recv()["seq"] in (2, 3)
+
+
+def test_client_thread_close_is_idempotent_and_joins(tmp_path: Path) -> None:
+    client = ControllerClient(f"ipc://{tmp_path}/nobody.sock", Hello("r1", DEPTHS))
+    thread = ClientThread(client)
+    thread.submit(make_step(1))  # no controller: dropped by the client, counted there
+    thread.close()
+    thread.close()
+    assert not thread._thread.is_alive()
+    thread.submit(make_step(2))  # after close: queued, never sent, never raises
+    assert client._closed

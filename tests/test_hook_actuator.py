@@ -177,7 +177,8 @@ def test_broadcast_hook_survives_a_failing_poll() -> None:
     rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
 
     class Broken:
-        def poll_decision(self) -> int | None:
+        @property
+        def decisions(self) -> int:
             raise RuntimeError("boom")
 
     rt.client = Broken()
@@ -309,32 +310,49 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
         thread.join(5)
 
 
-def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
-    """The record drains replies before sending; the iteration top polls only when it is stale."""
+def test_the_scheduler_thread_never_touches_the_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real client thread, real controller: every per-step ZeroMQ call runs on the client's thread."""
+    import threading
     import time
 
+    from controller.client import ControllerClient
     from controller.protocol import Step
+    from controller.service import ServeConfig, Server
 
-    class CountingClient:
-        def __init__(self) -> None:
-            self.polls = self.sends = 0
-            self.depth: int | None = 3
-            self.counters = {"decisions": 0}
+    endpoint = f"ipc://{tmp_path}/ctl.sock"
+    server = Server(ServeConfig(policy="builtin:static:3", bind=endpoint))
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    callers: set[int] = set()
+    for name in ("send_step", "poll_decision", "wait", "_send_hello"):
+        original = getattr(ControllerClient, name)
 
-        def poll_decision(self) -> int | None:
-            self.polls += 1
-            self.counters["decisions"] += 1  # a decision came back each time
-            return self.depth
+        def traced(self: Any, *args: Any, _original: Any = original) -> Any:
+            callers.add(threading.get_ident())
+            return _original(self, *args)
 
-        def send_step(self, step: Step) -> None:
-            self.sends += 1
-
-    rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
-    client = CountingClient()
-    for seq in range(1, 4):
-        rt.send(client, Step("i", seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()))
-        assert rt.current_depth(client) == 3  # right after a record: no second visit
-    assert (client.sends, client.polls) == (3, 3)
-    time.sleep(plugin.POLL_AFTER_NS / 1e9 + 0.005)  # a long prefill or an idle gap
-    assert rt.current_depth(client) == 3
-    assert client.polls == 4
+        monkeypatch.setattr(ControllerClient, name, traced)
+    rt = plugin.HookRuntime(HookConfig(endpoint=endpoint), compat.Ranks())
+    rt.state.valid = frozenset(DEPTHS)
+    try:
+        client = rt._ensure_client(RECEIVER.server_args)
+        assert client is not None
+        callers.clear()  # the first hello goes out as the client is built; steps are what count
+        got = None
+        deadline = time.monotonic() + 5.0
+        for seq in range(1, 10_000):
+            rt.send(client, Step(rt.instance, seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()))
+            time.sleep(0.002)  # a decode step
+            got = rt.current_depth(client)
+            if got == 3 or time.monotonic() > deadline:
+                break
+        assert got == 3
+        assert client.decisions >= 1 and client.dropped == 0 and client.errors == 0
+        assert callers == {client._thread.ident}, "a ZeroMQ call ran on the caller's thread"
+    finally:
+        if rt.client is not None:
+            rt.client.close()
+        server.stop()
+        serving.join(5)
