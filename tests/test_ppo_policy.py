@@ -92,9 +92,11 @@ def _observations(depths=DEPTHS, n: int = 3000, seed: int = 0) -> np.ndarray:
     return np.vstack([np.array(rows), noise])
 
 
-@pytest.mark.parametrize("activation", ["tanh", "relu"])
-def test_numpy_mlp_picks_the_same_action_as_sb3_predict(tmp_path, activation):
-    model, path = _save_model(tmp_path, activation=activation)
+@pytest.mark.parametrize(
+    "activation,arch", [("tanh", (64, 64)), ("relu", (64, 64)), ("tanh", (16,)), ("relu", (32, 32, 32))]
+)
+def test_numpy_mlp_picks_the_same_action_as_sb3_predict(tmp_path, activation, arch):
+    model, path = _save_model(tmp_path, activation=activation, arch=arch)
     obs = _observations()
     expected, _ = model.predict(obs, deterministic=True)
     policy = load_ppo_factory(path, DEPTHS)(DEPTHS)
@@ -105,8 +107,11 @@ def test_numpy_mlp_picks_the_same_action_as_sb3_predict(tmp_path, activation):
     # And the log-probabilities themselves agree with torch's to float32 precision.
     with torch.no_grad():
         ref = model.policy.get_distribution(torch.as_tensor(obs[:50])).distribution.logits.numpy()
-    ours = policy.logits(obs[:50])
-    np.testing.assert_allclose(ours - np.log(np.exp(ours).sum(1, keepdims=True)), ref, rtol=1e-4, atol=1e-4)
+    ours = policy.logits(obs[:50]).astype(np.float64)
+    ours -= ours.max(1, keepdims=True)  # a stable log-softmax: deep relu nets give large logits
+    ours -= np.log(np.exp(ours).sum(1, keepdims=True))
+    keep = ref > -30  # below that, float32 logits carry no digits worth comparing
+    np.testing.assert_allclose(ours[keep], ref[keep], rtol=1e-4, atol=1e-4)
 
 
 def test_factory_through_make_factory_and_metadata_round_trip(tmp_path):
