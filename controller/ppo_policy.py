@@ -194,16 +194,14 @@ class MLP:
         # layer: act() on the serving hot path allocates nothing.
         w1, b1 = self._layers[0]
         self._first = (w1, b1)
-        self._bufs: list[np.ndarray] = []
-        self._views: list[np.ndarray] = []
-        self._folded: list[np.ndarray] = []
-        for w, b in self._layers[1:]:
-            self._folded.append(np.ascontiguousarray(np.vstack([w, b[None, :]]), dtype=np.float32))
-        for w, _ in self._layers[:-1]:
-            buf = np.ones(w.shape[1] + 1, dtype=np.float32)  # buf[-1] stays 1: the bias input
-            self._bufs.append(buf)
-            self._views.append(buf[:-1])
-        self._out = np.empty(self._layers[-1][0].shape[1], dtype=np.float32)
+        bufs = [np.ones(w.shape[1] + 1, dtype=np.float32) for w, _ in self._layers[:-1]]  # [-1] stays 1
+        outs = [buf[:-1] for buf in bufs] + [np.empty(self._layers[-1][0].shape[1], dtype=np.float32)]
+        self._first_out = outs[0]
+        # (W with its bias row, input buffer ending in 1, output view) for every later layer.
+        self._plan = [
+            (np.ascontiguousarray(np.vstack([w, b[None, :]]), dtype=np.float32), buf, out)
+            for (w, b), buf, out in zip(self._layers[1:], bufs, outs[1:], strict=True)
+        ]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Action logits for one observation (1-D) or a batch (2-D)."""
@@ -225,25 +223,18 @@ class MLP:
         calls the same BLAS kernel.
         """
         h = x if x.dtype == np.float32 else np.asarray(x, dtype=np.float32)
-        dot = np.dot
-        act = np.maximum if self._relu else None
+        dot, hidden = np.dot, np.maximum if self._relu else None
         w, b = self._first
-        views, bufs = self._views, self._bufs
-        if not views:  # no hidden layer: the head alone
-            out = self._out
-            dot(h, w, out=out)
-            np.add(out, b, out=out)
-            return int(out.argmax())
-        v = views[0]
+        v = self._first_out
         dot(h, w, out=v)
         np.add(v, b, out=v)
-        for i, w_folded in enumerate(self._folded):
-            if act is None:
+        for w_b, buf, out in self._plan:
+            if hidden is None:
                 np.tanh(v, out=v)
             else:
-                act(v, 0.0, out=v)
-            v = views[i + 1] if i + 1 < len(views) else self._out
-            dot(bufs[i], w_folded, out=v)
+                hidden(v, 0.0, out=v)
+            dot(buf, w_b, out=out)
+            v = out
         return int(v.argmax())
 
 

@@ -74,6 +74,9 @@ POLL_MS = 100  # how often the loop wakes up to notice a stop request when idle
 # (about 1 µs per message in the old drain loop).
 _NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
 _SEND_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
+# pyzmq's own send, without the Python layer of zmq.Socket.send (routing_id/group/list
+# handling this server never uses): ≈0.5 µs less per call, two calls per decision.
+_zsend = zmq.backend.Socket.send
 _pack = msgpack.Packer(use_bin_type=True).pack  # one Packer: packb builds a new one per call
 # The tail of every decision frame, per depth: {"depth": d} after the per-session head.
 _DEPTH_TAIL = tuple(_pack("depth") + _pack(d) for d in range(MAX_DEPTH + 1))
@@ -375,8 +378,8 @@ class Server:
         try:
             # ROUTER without ROUTER_MANDATORY drops what it cannot route instead of blocking or
             # failing; NOBLOCK guards the rest.
-            sock.send(ident, _SEND_MORE)
-            sock.send(payload, _NOBLOCK)
+            _zsend(sock, ident, _SEND_MORE)
+            _zsend(sock, payload, _NOBLOCK)
         except zmq.ZMQError:
             self.stats.replies_dropped += 1
         # Off the hook's critical path from here on: plain int updates, inlined (ServiceStats
@@ -466,8 +469,8 @@ class Server:
         try:
             # As in _on_step (which inlines this): two send() calls cost ~1.5 µs less than
             # send_multipart.
-            sock.send(ident, _SEND_MORE)
-            sock.send(payload, _NOBLOCK)
+            _zsend(sock, ident, _SEND_MORE)
+            _zsend(sock, payload, _NOBLOCK)
         except zmq.ZMQError:
             self.stats.replies_dropped += 1
 
