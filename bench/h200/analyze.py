@@ -220,22 +220,32 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                     # the visits at the top of scheduler iterations. Older profiles lack them.
                     **{
                         f"{site}_p50_us": pct([x / 1000 for x in prof[f"{site}_ns"]], 0.5)
-                        for site in ("rec", "send", "poll")
+                        for site in ("rec", "send", "poll", "wrap", "sender_cpu", "lag")
                         if prof.get(f"{site}_ns")
                     },
+                    "sender_cpu_p99_us": pct([x / 1000 for x in prof.get("sender_cpu_ns") or [0]], 0.99),
                 }
             )
+    # "socket" is the client's visit to ZeroMQ until call 6; from call 8 the hand-over to the
+    # client thread, whose own CPU time (off the scheduler thread) has its own column.
     lines = ["### the hook's time per decode step, inside the GPU scheduler (entry rank)", "",
-             "| call | level | steps | wall p50 / p99 µs | CPU p50 / p99 µs | record / socket / iteration-top p50 µs"
+             "| call | level | steps | wall p50 / p99 µs | CPU p50 / p99 µs | record / socket or hand-over /"
+             " iteration-top / wrapper p50 µs | client thread CPU p50 / p99 µs, record→send p50 µs"
              " | step p50 µs | hook / step |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         sites = " / ".join(
-            f"{r[k]:.1f}" if k in r else "–" for k in ("rec_p50_us", "send_p50_us", "poll_p50_us")
+            f"{r[k]:.1f}" if k in r else "–"
+            for k in ("rec_p50_us", "send_p50_us", "poll_p50_us", "wrap_p50_us")
+        )
+        thread = (
+            f"{r['sender_cpu_p50_us']:.1f} / {r['sender_cpu_p99_us']:.1f}, {r['lag_p50_us']:.1f}"
+            if "sender_cpu_p50_us" in r
+            else "– (inline)"
         )
         lines.append(
             f"| {r['call']} | {r['level']} | {r['steps']} | {r['wall_p50_us']:.1f} / {r['wall_p99_us']:.1f} | "
-            f"{r['cpu_p50_us']:.1f} / {r['cpu_p99_us']:.1f} | {sites} | {r['step_p50_us']:.0f} | "
+            f"{r['cpu_p50_us']:.1f} / {r['cpu_p99_us']:.1f} | {sites} | {thread} | {r['step_p50_us']:.0f} | "
             f"{100 * r['wall_p50_us'] / r['step_p50_us']:.2f}% |"
         )
     return lines + [""], rows
