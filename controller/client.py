@@ -416,3 +416,43 @@ class ClientThread:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InlineClient:
+    """:class:`ClientThread`'s interface on the caller's own thread (no extra thread).
+
+    :meth:`submit` drains the replies, then sends the record: one visit to the socket per
+    record, on the caller's thread. The newest decision is refreshed only there, so a decision
+    is applied one record later than with :class:`ClientThread`; in exchange nothing else in
+    the process ever competes with the caller for the GIL.
+    """
+
+    def __init__(self, client: ControllerClient, *, profile: bool = False) -> None:
+        self.client = client
+        self.depth: int | None = None
+        self.decisions = 0
+        self.dropped = 0
+        self.errors = 0
+        self.busy_cpu_ns = 0  # no thread of its own: always 0
+        self.last_lag_ns = 0
+
+    def submit(self, step: Step) -> None:
+        """Drain replies into the newest decision, then send ``step``; never blocks, never raises."""
+        client = self.client
+        client.poll_decision()
+        client.send_step(step)
+        self.depth = client.depth
+        self.decisions = client.counters["decisions"]
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {**self.client.counters, "queue_dropped": 0, "thread_errors": 0}
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        self.client.close()
+
+    def __enter__(self) -> InlineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -21,6 +21,7 @@ ENV_DEPTHS = "SPECDEPTH_DEPTHS"
 ENV_FALLBACK = "SPECDEPTH_FALLBACK"
 ENV_STALE_MS = "SPECDEPTH_STALE_MS"
 ENV_INSTANCE = "SPECDEPTH_INSTANCE"
+ENV_CLIENT_THREAD = "SPECDEPTH_CLIENT_THREAD"
 
 DEFAULT_DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 5)
 DEFAULT_STALE_MS = 200.0
@@ -40,6 +41,9 @@ class HookConfig:
             SGLang's own adaptive policy.
         stale_ms: a decision older than this is not used.
         instance: replica name sent in ``hello``; empty = derived from host and port.
+        client_thread: the controller's socket on a thread of its own (default), so the
+            scheduler thread only hands records over; ``False`` = the scheduler thread sends
+            and drains itself (no extra thread, ~50 µs more per step on the H200 host).
     """
 
     endpoint: str
@@ -47,6 +51,7 @@ class HookConfig:
     fallback_depth: int | None = None
     stale_ms: float = DEFAULT_STALE_MS
     instance: str = ""
+    client_thread: bool = True
 
     def __post_init__(self) -> None:
         if not _ENDPOINT_RE.match(self.endpoint):
@@ -71,6 +76,8 @@ class HookConfig:
         }
         if self.instance:
             env[ENV_INSTANCE] = self.instance
+        if not self.client_thread:
+            env[ENV_CLIENT_THREAD] = "off"
         return env
 
     @classmethod
@@ -90,6 +97,7 @@ class HookConfig:
             fallback_depth=parse_fallback(env.get(ENV_FALLBACK, FALLBACK_SGLANG)),
             stale_ms=parse_stale_ms(env.get(ENV_STALE_MS, str(DEFAULT_STALE_MS))),
             instance=env.get(ENV_INSTANCE, ""),
+            client_thread=parse_on_off(env.get(ENV_CLIENT_THREAD, "on"), "--spec-client-thread"),
         )
 
 
@@ -141,3 +149,13 @@ def parse_stale_ms(text: str) -> float:
     if not (value > 0.0 and value < 3_600_000.0):
         raise ConfigError(f"--spec-stale-ms {text!r}: must be in (0, 3600000)")
     return value
+
+
+def parse_on_off(text: str, flag: str) -> bool:
+    """Parse ``on`` / ``off`` (also ``1``/``0``, ``true``/``false``). Raises :class:`ConfigError`."""
+    value = text.strip().lower()
+    if value in ("on", "1", "true", "yes"):
+        return True
+    if value in ("off", "0", "false", "no"):
+        return False
+    raise ConfigError(f"{flag} {text!r}: expected on or off")

@@ -107,7 +107,7 @@ class HookRuntime:
         if self.client is not None or self._client_failed:
             return self.client
         try:
-            from controller.client import ClientThread, ControllerClient
+            from controller.client import ClientThread, ControllerClient, InlineClient
 
             spec_on = self.state.valid is not None
             depths = tuple(sorted(self.state.valid)) if spec_on else (0,)  # type: ignore[arg-type]
@@ -134,17 +134,18 @@ class HookRuntime:
                 model=model[:1024],
                 tp=self.ranks.tp_size,
             )
-            # The socket lives on a thread of its own: the scheduler only hands records over.
-            self.client = ClientThread(
-                ControllerClient(self.config.endpoint, hello, stale_ms=self.config.stale_ms),
-                profile=self.profiler is not None,
-            )
+            client = ControllerClient(self.config.endpoint, hello, stale_ms=self.config.stale_ms)
+            # By default the socket lives on a thread of its own: the scheduler only hands
+            # records over (--spec-client-thread off: it visits the socket itself per record).
+            wrap = ClientThread if self.config.client_thread else InlineClient
+            self.client = wrap(client, profile=self.profiler is not None)
             logger.info(
-                "spec controller: instance %s -> %s (depths %s, stale %.0f ms)",
+                "spec controller: instance %s -> %s (depths %s, stale %.0f ms, client thread %s)",
                 self.instance,
                 self.config.endpoint,
                 list(depths),
                 self.config.stale_ms,
+                "on" if self.config.client_thread else "off",
             )
         except Exception:
             self._client_failed = True
@@ -189,8 +190,7 @@ class HookRuntime:
         if mode.is_decode():
             self._record_decode(scheduler, batch, result)
             if t0 is not None:
-                self._profile["record_cpu_ns"].append(time.thread_time_ns() - t0[1])
-                self.stop(t0, "rec")
+                self._profile["record_cpu_ns"].append(self.stop(t0, "rec"))
                 self._profile_step()
         elif mode.is_extend():
             n = getattr(batch, "extend_num_tokens", None)
@@ -262,15 +262,21 @@ class HookRuntime:
             self.pending_site_ns[site] = 0
 
     # Benchmark profiler (only when $SPECDEPTH_PROFILE_OUT is set; otherwise nothing is timed).
+    # The CPU clock is a syscall, the wall clock is not (vDSO): each wall window opens after and
+    # closes before the CPU clock's reads, so the wall numbers carry no syscall of the profiler.
     @staticmethod
     def start() -> tuple[int, int]:
-        return time.perf_counter_ns(), time.thread_time_ns()
+        cpu = time.thread_time_ns()
+        return time.perf_counter_ns(), cpu
 
-    def stop(self, t0: tuple[int, int], site: str = "wrap") -> None:
+    def stop(self, t0: tuple[int, int], site: str = "wrap") -> int:
+        """Close a window opened by :meth:`start`; returns its thread-CPU ns."""
         wall = time.perf_counter_ns() - t0[0]
+        cpu = time.thread_time_ns() - t0[1]
         self.pending_wall_ns += wall
-        self.pending_cpu_ns += time.thread_time_ns() - t0[1]
+        self.pending_cpu_ns += cpu
         self.pending_site_ns[site] += wall
+        return cpu
 
     def _profile_step(self) -> None:
         prof = self._profile

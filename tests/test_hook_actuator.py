@@ -356,3 +356,39 @@ def test_the_scheduler_thread_never_touches_the_socket(
             rt.client.close()
         server.stop()
         serving.join(5)
+
+
+def test_client_thread_off_visits_the_socket_on_the_callers_thread(tmp_path: Path) -> None:
+    """--spec-client-thread off: no thread; each record drains replies, then sends, inline."""
+    import threading
+    import time
+
+    from controller.client import InlineClient
+    from controller.protocol import Step
+    from controller.service import ServeConfig, Server
+
+    endpoint = f"ipc://{tmp_path}/ctl.sock"
+    server = Server(ServeConfig(policy="builtin:static:3", bind=endpoint))
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    threads_before = threading.active_count()
+    rt = plugin.HookRuntime(HookConfig(endpoint=endpoint, client_thread=False), compat.Ranks())
+    rt.state.valid = frozenset(DEPTHS)
+    try:
+        client = rt._ensure_client(RECEIVER.server_args)
+        assert type(client) is InlineClient
+        assert threading.active_count() == threads_before
+        got = None
+        deadline = time.monotonic() + 5.0
+        for seq in range(1, 10_000):
+            rt.send(client, Step(rt.instance, seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()))
+            time.sleep(0.002)
+            got = rt.current_depth(client)
+            if got == 3 or time.monotonic() > deadline:
+                break
+        assert got == 3 and client.counters["sent"] >= 2
+    finally:
+        if rt.client is not None:
+            rt.client.close()
+        server.stop()
+        serving.join(5)

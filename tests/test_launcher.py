@@ -25,7 +25,24 @@ def test_help_explains_every_hook_flag() -> None:
 
 
 def test_missing_endpoint_and_bad_depths_are_one_line_exit_2() -> None:
-    for args in ((), ("--spec-controller", "ipc:///tmp/x.sock", "--spec-depths", "3,1")):
+    for args in (
+        (),
+        ("--spec-controller", "ipc:///tmp/x.sock", "--spec-depths", "3,1"),
+        ("--spec-controller", "ipc:///tmp/x.sock", "--spec-client-thread", "maybe"),
+    ):
         out = run(*args, "--model-path", "/nonexistent")
         assert out.returncode == 2, out
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_client_thread_flag_reaches_the_schedulers_environment(tmp_path) -> None:
+    from sglang_hook.config import HookConfig
+    from sglang_hook.launch_server import plan
+
+    base = ["--spec-controller", "ipc:///tmp/x.sock", "--model-path", "/m"]
+    on = plan(base, str(tmp_path / "a.json")).config
+    off = plan([*base, "--spec-client-thread", "off"], str(tmp_path / "b.json")).config
+    assert on.client_thread and not off.client_thread
+    # What the scheduler processes read back is what the flag said.
+    assert HookConfig.from_env(on.to_env()) == on
+    assert HookConfig.from_env(off.to_env()) == off

@@ -43,6 +43,7 @@ SITE = ROOT / "site"
 MODELS = ROOT / "models"
 RES = ROOT / "res"
 T0 = time.time()
+LEVEL_ENV: dict[str, dict[str, str]] = {}  # --level-env
 
 
 def log(msg: str) -> None:
@@ -540,6 +541,7 @@ def level_run(
     # The hook's own cost per decode step, timed inside the real scheduler (entry rank): the
     # same profiler as bench/bench_hook.py, here with CUDA graphs and EAGLE-3 on a GPU.
     env["SPECDEPTH_PROFILE_OUT"] = str(RES / f"hookprof_{level}.jsonl")
+    env.update(LEVEL_ENV.get(level, {}))  # e.g. one level with SPECDEPTH_CLIENT_THREAD=off: an A/B
     server.start(env)
     ok, why = server.wait_ready(min(400.0, max(10.0, deadline - time.time())))
     start_s = round(time.time() - tic, 1)
@@ -636,6 +638,14 @@ def main() -> int:
         help="baseline policies timed after --policies, in this order (static:K, sglang-adaptive)",
     )
     parser.add_argument(
+        "--level-env",
+        action="append",
+        default=[],
+        metavar="LEVEL:KEY=VALUE",
+        help="extra environment for one level's server, e.g. same2=draft_same in --levels and "
+        "same2:SPECDEPTH_CLIENT_THREAD=off for a side-by-side A/B of the hook's client thread",
+    )
+    parser.add_argument(
         "--repeat-first",
         action="store_true",
         help="time the first --policies entry again after the baselines (as NAME-again): shows drift",
@@ -646,6 +656,12 @@ def main() -> int:
         return collect(args.out)
     global LOAD_SCALE
     LOAD_SCALE = max(1, args.scale)
+    for item in args.level_env:
+        level, _, kv = item.partition(":")
+        key, eq, value = kv.partition("=")
+        if not (level and key and eq):
+            parser.error(f"--level-env {item!r}: expected LEVEL:KEY=VALUE")
+        LEVEL_ENV.setdefault(level, {})[key] = value
 
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = T0 + args.deadline_s
