@@ -205,10 +205,30 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
             wall = [x / 1000 for x in prof["hook_ns"]]
             cpu = [x / 1000 for x in prof["hook_cpu_ns"]]
             step = [float(x) for x in prof["step_us"] if x > 0]
+            level = f.stem.removeprefix("hookprof_")
+            # The hook logs its client-thread mode (from call 9); calls up to 6 ran it inline.
+            log = folder / f"server_{level}.log"
+            found = (
+                re.findall(r"client thread (on|off)\)", log.read_text(errors="replace"))
+                if log.exists()
+                else []
+            )
+            by_bs = {
+                bs: pct([float(t) for t, b in zip(prof["step_us"], prof["bs"], strict=True) if b == bs], 0.5)
+                for bs in (1, 4, 16, 64)
+                if any(b == bs for b in prof["bs"])
+            }
             rows.append(
                 {
                     "call": call,
-                    "level": f.stem.removeprefix("hookprof_"),
+                    "level": level,
+                    # Call 8 ran the thread before its mode was logged: its CPU time shows it.
+                    "client_thread": found[0]
+                    if found
+                    else "on"
+                    if any(prof.get("sender_cpu_ns", []))
+                    else "off",
+                    "step_p50_by_bs_us": by_bs,
                     "steps": len(wall),
                     "wall_p50_us": pct(wall, 0.5),
                     "wall_p99_us": pct(wall, 0.99),
@@ -229,10 +249,10 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
     # "socket" is the client's visit to ZeroMQ until call 6; from call 8 the hand-over to the
     # client thread, whose own CPU time (off the scheduler thread) has its own column.
     lines = ["### the hook's time per decode step, inside the GPU scheduler (entry rank)", "",
-             "| call | level | steps | wall p50 / p99 µs | CPU p50 / p99 µs | record / socket or hand-over /"
-             " iteration-top / wrapper p50 µs | client thread CPU p50 / p99 µs, record→send p50 µs"
-             " | step p50 µs | hook / step |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| call | level | client thread | steps | wall p50 / p99 µs | CPU p50 / p99 µs | record / socket or"
+             " hand-over / iteration-top / wrapper p50 µs | client thread CPU p50 / p99 µs, record→send p50 µs"
+             " | step p50 µs | hook / step | step p50 µs at bs 1 / 4 / 16 / 64 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         sites = " / ".join(
             f"{r[k]:.1f}" if k in r else "–"
@@ -240,13 +260,18 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
         )
         thread = (
             f"{r['sender_cpu_p50_us']:.1f} / {r['sender_cpu_p99_us']:.1f}, {r['lag_p50_us']:.1f}"
-            if "sender_cpu_p50_us" in r
-            else "– (inline)"
+            if r["client_thread"] == "on" and "sender_cpu_p50_us" in r
+            else "–"
+        )
+        by_bs = " / ".join(
+            f"{r['step_p50_by_bs_us'][bs]:.0f}" if bs in r["step_p50_by_bs_us"] else "–"
+            for bs in (1, 4, 16, 64)
         )
         lines.append(
-            f"| {r['call']} | {r['level']} | {r['steps']} | {r['wall_p50_us']:.1f} / {r['wall_p99_us']:.1f} | "
-            f"{r['cpu_p50_us']:.1f} / {r['cpu_p99_us']:.1f} | {sites} | {thread} | {r['step_p50_us']:.0f} | "
-            f"{100 * r['wall_p50_us'] / r['step_p50_us']:.2f}% |"
+            f"| {r['call']} | {r['level']} | {r['client_thread']} | {r['steps']} | "
+            f"{r['wall_p50_us']:.1f} / {r['wall_p99_us']:.1f} | {r['cpu_p50_us']:.1f} / {r['cpu_p99_us']:.1f} | "
+            f"{sites} | {thread} | {r['step_p50_us']:.0f} | {100 * r['wall_p50_us'] / r['step_p50_us']:.2f}% | "
+            f"{by_bs} |"
         )
     return lines + [""], rows
 
