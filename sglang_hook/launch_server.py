@@ -134,7 +134,7 @@ def plan(argv: Sequence[str], config_path: str) -> Plan:
         fallback_depth=parse_fallback(own.get("--spec-fallback", FALLBACK_SGLANG)),
         stale_ms=parse_stale_ms(own.get("--spec-stale-ms", str(DEFAULT_STALE_MS))),
         instance=own.get("--spec-instance", ""),
-        client_thread=parse_on_off(own.get("--spec-client-thread", "on"), "--spec-client-thread"),
+        client_thread=parse_on_off(own.get("--spec-client-thread", "off"), "--spec-client-thread"),
     )
     if _has_flag(rest, "--enable-dp-attention"):
         raise Refused(
@@ -216,10 +216,10 @@ hook options (everything else goes to sglang.launch_server unchanged):
   --spec-stale-ms MS          fall back once steps went unanswered this long (default: {DEFAULT_STALE_MS:g})
   --spec-instance NAME        the replica's name in the controller's traces (default: derived
                               from the host and port)
-  --spec-client-thread on|off on: the controller's socket lives on a thread of its own and the
-                              scheduler thread only hands records over (default); off: the
-                              scheduler thread sends and drains the socket itself, no extra
-                              thread (about 50 µs more per step on an H200 host)
+  --spec-client-thread on|off off (default): the scheduler thread sends each record and drains
+                              the replies itself; on: a thread of its own does, and the
+                              scheduler only hands records over (less time on the scheduler
+                              thread, but that thread competes for the GIL; see docs/hook.md)
 
 With --speculative-algorithm EAGLE/EAGLE3 the launcher adds --speculative-adaptive and a
 generated --speculative-adaptive-config listing the depths, and refuses (exit 2) what SGLang's

@@ -11,10 +11,11 @@ Hooks (see :mod:`sglang_hook.compat` for the exact targets):
   decision and adds a :class:`~sglang_hook.actuator.DepthSync` marker to the request broadcast
   when it changes; every rank applies the marker it received.
 - ``Scheduler.process_batch_result``: after each decode result, the entry rank builds one
-  ``step`` record and hands it to the client thread; prefill batches add to ``prefill_tokens``.
+  ``step`` record and hands it to the client; prefill batches add to ``prefill_tokens``.
 
-The entry rank's socket lives on a thread of its own (:class:`controller.client.ClientThread`):
-the scheduler thread never calls ZeroMQ, it only queues records and reads the newest decision.
+The entry rank visits its socket once per record, from the scheduler thread
+(:class:`controller.client.InlineClient`); with ``--spec-client-thread on`` a thread of its own
+does (:class:`controller.client.ClientThread`) and the scheduler only queues records.
 - ``Scheduler.on_idle``: the next decode's ``step_us`` is timed from its own launch.
 
 Every hook catches every exception, logs it once, and lets SGLang continue as if the hook
@@ -40,6 +41,11 @@ logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
 PROFILE_FLUSH_EVERY = 32
+# Without the client thread, the top of a scheduler iteration drains the controller's replies
+# only when the newest step record is older than this: a fresher one cannot have its decision
+# back, and sending it drained just before. Long prefills and idle gaps still drain (staleness
+# must see decisions that came in meanwhile).
+POLL_AFTER_NS = 1_000_000
 # What the benchmark profiler records per decode step (bench/bench_hook.py reads the same keys).
 PROFILE_KEYS = (
     "hook_ns",
@@ -84,6 +90,7 @@ class HookRuntime:
         self._stale_ns = int(config.stale_ms * 1e6)
         self._client_failed = False
         self._sender_cpu_seen = 0
+        self._last_send_ns = 0  # monotonic ns of the newest step record handed to the client
         self.instance = ""
         self.hello_depths: tuple[int, ...] = ()
         self.seq = 0
@@ -135,8 +142,8 @@ class HookRuntime:
                 tp=self.ranks.tp_size,
             )
             client = ControllerClient(self.config.endpoint, hello, stale_ms=self.config.stale_ms)
-            # By default the socket lives on a thread of its own: the scheduler only hands
-            # records over (--spec-client-thread off: it visits the socket itself per record).
+            # By default the scheduler thread visits the socket itself, once per record
+            # (--spec-client-thread on: a thread of its own does, and competes for the GIL).
             wrap = ClientThread if self.config.client_thread else InlineClient
             self.client = wrap(client, profile=self.profiler is not None)
             logger.info(
@@ -159,7 +166,9 @@ class HookRuntime:
         return self.sync.offer(None if client is None else self.current_depth(client))
 
     def current_depth(self, client: Any) -> int | None:
-        """The depth to use now, or None (fall back): the client thread's newest decision, if fresh."""
+        """The depth to use now, or None (fall back): the newest decision, if fresh."""
+        if time.monotonic_ns() - self._last_send_ns > POLL_AFTER_NS:
+            client.refresh()  # without the client thread: drain; with it: nothing to do
         seen = client.decisions
         if seen != self._decisions_seen:  # a decision came back: restart the staleness clock
             self._decisions_seen = seen
@@ -252,6 +261,7 @@ class HookRuntime:
             self.pending_site_ns["send"] += time.perf_counter_ns() - t0
         else:
             client.submit(step)
+        self._last_send_ns = step.ts_ns
         if self._unanswered_since_ns is None:
             self._unanswered_since_ns = step.ts_ns
 

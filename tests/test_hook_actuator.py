@@ -334,7 +334,7 @@ def test_the_scheduler_thread_never_touches_the_socket(
             return _original(self, *args)
 
         monkeypatch.setattr(ControllerClient, name, traced)
-    rt = plugin.HookRuntime(HookConfig(endpoint=endpoint), compat.Ranks())
+    rt = plugin.HookRuntime(HookConfig(endpoint=endpoint, client_thread=True), compat.Ranks())
     rt.state.valid = frozenset(DEPTHS)
     try:
         client = rt._ensure_client(RECEIVER.server_args)
@@ -359,7 +359,7 @@ def test_the_scheduler_thread_never_touches_the_socket(
 
 
 def test_client_thread_off_visits_the_socket_on_the_callers_thread(tmp_path: Path) -> None:
-    """--spec-client-thread off: no thread; each record drains replies, then sends, inline."""
+    """--spec-client-thread off (the default): no thread; each record drains replies, then sends."""
     import threading
     import time
 
@@ -386,9 +386,42 @@ def test_client_thread_off_visits_the_socket_on_the_callers_thread(tmp_path: Pat
             got = rt.current_depth(client)
             if got == 3 or time.monotonic() > deadline:
                 break
-        assert got == 3 and client.counters["sent"] >= 2
+        assert got == 3 and client.counters["sent"] >= 1
     finally:
         if rt.client is not None:
             rt.client.close()
         server.stop()
         serving.join(5)
+
+
+def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
+    """Inline: the record drains replies before sending; the iteration top drains only when it is stale."""
+    import time
+
+    from controller.client import InlineClient
+    from controller.protocol import Step
+
+    class CountingClient:  # ControllerClient's calls, counted
+        def __init__(self) -> None:
+            self.polls = self.sends = 0
+            self.depth: int | None = 3
+            self.counters = {"decisions": 0}
+
+        def poll_decision(self) -> int | None:
+            self.polls += 1
+            self.counters["decisions"] += 1  # a decision came back each time
+            return self.depth
+
+        def send_step(self, step: Step) -> None:
+            self.sends += 1
+
+    rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
+    inner = CountingClient()
+    client = InlineClient(inner)  # type: ignore[arg-type]
+    for seq in range(1, 4):
+        rt.send(client, Step("i", seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()))
+        assert rt.current_depth(client) == 3  # right after a record: no second visit
+    assert (inner.sends, inner.polls) == (3, 3)
+    time.sleep(plugin.POLL_AFTER_NS / 1e9 + 0.005)  # a long prefill or an idle gap
+    assert rt.current_depth(client) == 3
+    assert inner.polls == 4

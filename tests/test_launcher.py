@@ -40,9 +40,10 @@ def test_client_thread_flag_reaches_the_schedulers_environment(tmp_path) -> None
     from sglang_hook.launch_server import plan
 
     base = ["--spec-controller", "ipc:///tmp/x.sock", "--model-path", "/m"]
-    on = plan(base, str(tmp_path / "a.json")).config
-    off = plan([*base, "--spec-client-thread", "off"], str(tmp_path / "b.json")).config
-    assert on.client_thread and not off.client_thread
+    default = plan(base, str(tmp_path / "a.json")).config
+    on = plan([*base, "--spec-client-thread", "on"], str(tmp_path / "b.json")).config
+    off = plan([*base, "--spec-client-thread=off"], str(tmp_path / "c.json")).config
+    assert not default.client_thread and on.client_thread and not off.client_thread
     # What the scheduler processes read back is what the flag said.
     assert HookConfig.from_env(on.to_env()) == on
     assert HookConfig.from_env(off.to_env()) == off
