@@ -566,23 +566,13 @@ def main() -> int:
         cl = bench_client(cl_ep, int(5_000 * scale))
     finally:
         server.stop()
-    b50, b99 = pct(cl["both"], 50), pct(cl["both"], 99)
-    rows.append(
-        (
-            "client critical path, hook default (send_step + poll_decision), p50",
-            f"{b50:.1f} µs",
-            "≤ 15 µs",
-            _ok(b50 <= 15),
-        )
-    )
-    rows.append(
-        (
-            "client critical path, hook default (send_step + poll_decision), p99",
-            f"{b99:.1f} µs",
-            "≤ 40 µs",
-            _ok(b99 <= 40),
-        )
-    )
+
+    def critical_path_rows(label: str, samples: list[int]) -> None:
+        p50, p99 = pct(samples, 50), pct(samples, 99)
+        rows.append((f"client critical path, {label}, p50", f"{p50:.1f} µs", "≤ 15 µs", _ok(p50 <= 15)))
+        rows.append((f"client critical path, {label}, p99", f"{p99:.1f} µs", "≤ 40 µs", _ok(p99 <= 40)))
+
+    critical_path_rows("hook default (send_step + poll_decision)", cl["both"])
     rows.append(
         (
             "  send_step p50 / poll_decision p50",
@@ -591,23 +581,7 @@ def main() -> int:
             f"{cl['answered'][0]}/{len(cl['both'])} answered",
         )
     )
-    t50, t99 = pct(ct["both"], 50), pct(ct["both"], 99)
-    rows.append(
-        (
-            "client critical path, --spec-client-thread on (submit + read), p50",
-            f"{t50:.1f} µs",
-            "≤ 15 µs",
-            _ok(t50 <= 15),
-        )
-    )
-    rows.append(
-        (
-            "client critical path, --spec-client-thread on (submit + read), p99",
-            f"{t99:.1f} µs",
-            "≤ 40 µs",
-            _ok(t99 <= 40),
-        )
-    )
+    critical_path_rows("--spec-client-thread on (submit + read)", ct["both"])
     rows.append(
         (
             "  decision back before the next step / client thread CPU per step",
