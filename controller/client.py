@@ -296,11 +296,13 @@ class ClientThread:
     decision; with nothing queued it still drains every ``idle_poll_ms`` (welcomes, hellos
     after a controller restart).
 
-    Why a thread: after a GPU step, a visit to ZeroMQ from the scheduler thread costs tens of
-    µs (cold caches, and a syscall to wake ZeroMQ's I/O thread), measured on the H200 host.
-    The sender thread needs the GIL for a few µs per record (to pack it and decode the reply);
-    it gets it when the scheduler releases it, as it does around every torch call and while
-    it waits for the GPU, so that work overlaps the GPU step instead of preceding the next one.
+    Why a thread: after a GPU step, a visit to ZeroMQ from the scheduler thread costs ~67 µs
+    at p50 on the H200 host (cold caches, and a syscall to wake ZeroMQ's I/O thread); the
+    hand-over costs 6-7 µs. The cost is the GIL: the sender thread needs it to pack the record
+    and decode the reply, and again after each ZeroMQ call. It takes it whenever the scheduler
+    releases it around a torch call, and the scheduler then waits. On a CPU-bound scheduler
+    that made steps slower, so the hook uses :class:`InlineClient` unless told otherwise
+    (``docs/hook.md`` "Cost").
 
     Args:
         client: a connected client, handed over: from now on only the sender thread uses it.
