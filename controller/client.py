@@ -444,11 +444,8 @@ class InlineClient:
 
     def submit(self, step: Step) -> None:
         """Drain replies into the newest decision, then send ``step``; never blocks, never raises."""
-        client = self.client
-        client.poll_decision()
-        client.send_step(step)
-        self.depth = client.depth
-        self.decisions = client.counters["decisions"]
+        self.refresh()
+        self.client.send_step(step)
 
     def refresh(self) -> None:
         """Drain replies into the newest decision (a socket visit; for when no record is sent)."""

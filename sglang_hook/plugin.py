@@ -12,11 +12,11 @@ Hooks (see :mod:`sglang_hook.compat` for the exact targets):
   when it changes; every rank applies the marker it received.
 - ``Scheduler.process_batch_result``: after each decode result, the entry rank builds one
   ``step`` record and hands it to the client; prefill batches add to ``prefill_tokens``.
+- ``Scheduler.on_idle``: the next decode's ``step_us`` is timed from its own launch.
 
 The entry rank visits its socket once per record, from the scheduler thread
 (:class:`controller.client.InlineClient`); with ``--spec-client-thread on`` a thread of its own
 does (:class:`controller.client.ClientThread`) and the scheduler only queues records.
-- ``Scheduler.on_idle``: the next decode's ``step_us`` is timed from its own launch.
 
 Every hook catches every exception, logs it once, and lets SGLang continue as if the hook
 were absent: a scheduler exception would SIGQUIT the server.
@@ -55,8 +55,9 @@ PROFILE_KEYS = (
     "ref_cpu_ns",
     "step_us",
     "bs",
-    # hook_ns split by call site (wall): the step record (of which: handing it to the client
-    # thread), the visits at the top of scheduler iterations, the actuator wrapper.
+    # hook_ns split by call site (wall): the step record (of which: the client's submit, a
+    # socket visit or, with the client thread, a hand-over), the visits at the top of
+    # scheduler iterations, the actuator wrapper.
     "rec_ns",
     "send_ns",
     "poll_ns",
@@ -161,7 +162,7 @@ class HookRuntime:
         return self.client
 
     def offer(self, server_args: Any) -> DepthSync | None:
-        """Entry rank, top of each scheduler iteration: maybe emit a marker (never touches the socket)."""
+        """Entry rank, top of each scheduler iteration: maybe drain (never blocking), maybe emit a marker."""
         client = self._ensure_client(server_args)
         return self.sync.offer(None if client is None else self.current_depth(client))
 
@@ -254,7 +255,11 @@ class HookRuntime:
         self.send(client, step)
 
     def send(self, client: Any, step: Step) -> None:
-        """Hand one record to the client thread (never blocks); staleness counts from the first unanswered one."""
+        """Hand one record to the client (never blocks); staleness counts from the first unanswered one.
+
+        Inline (the default) the client drains the replies and sends in one visit to the socket:
+        after a GPU step each visit runs from cold caches, so one per step costs less than two.
+        """
         if self.profiler is not None:
             t0 = time.perf_counter_ns()
             client.submit(step)
