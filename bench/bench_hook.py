@@ -3,9 +3,10 @@
 Starts a real CPU SGLang server (tiny random Llama, built locally) through
 ``python -m sglang_hook.launch_server`` with a real ``controller serve``, and sets
 ``SPECDEPTH_PROFILE_OUT`` so the entry rank writes, for every decode step, the hook's own time
-(record building + handing it to the client thread + reading the decision and the broadcast
-marker at every scheduler iteration since the previous step + the actuator wrapper; the client
-thread's own CPU time is printed apart, as it runs off the scheduler thread) next to that step's ``step_us``.
+(record building + the client's submit: a socket visit, or with the client thread a hand-over
++ reading the decision and the broadcast marker at every scheduler iteration since the
+previous step + the actuator wrapper; the client thread's own CPU time is printed apart, as it
+runs off the scheduler thread) next to that step's ``step_us``.
 Then drives waves of concurrent ``/generate`` requests and prints one table.
 
 A second table times the actuator wrapper against SGLang's own params object (real
@@ -14,8 +15,8 @@ inside the scheduler here.
 
 Targets (issue): p50 ≤ 15 µs and p99 ≤ 40 µs per step.
 
-By default two servers run one after the other, with the hook's client thread on (the
-default) and off (the scheduler thread visits the socket itself), so the rows compare both.
+By default two servers run one after the other, with the hook's client thread on and off
+(the hook's default: the scheduler thread visits the socket itself), so the rows compare both.
 
 Usage: ``python bench/bench_hook.py [--concurrency 1,4,16] [--tokens 128] [--client-thread on,off] [--keep DIR]``
 """
@@ -106,7 +107,7 @@ def read_profile(path: Path) -> dict[str, list[int]]:
 
 
 def bench_server(
-    args: argparse.Namespace, root: Path, client_thread: str = "on"
+    args: argparse.Namespace, root: Path, client_thread: str = "off"
 ) -> list[tuple[str, dict[str, list[int]]]]:
     import requests
     from _tiny_model import build_tiny_llama
@@ -118,7 +119,7 @@ def bench_server(
     env = {**os.environ, "SPECDEPTH_PROFILE_OUT": str(profile), "PYTHONUNBUFFERED": "1"}
     ctl = start(
         [sys.executable, "-m", "controller.cli", "serve", "--policy", "builtin:static:0", "--bind", sock],
-        root / "controller.log",
+        root / f"controller-{client_thread}.log",
         env,
     )
     srv = start(
@@ -126,7 +127,7 @@ def bench_server(
          "--model-path", str(model), "--device", "cpu", "--model-impl", "transformers",
          "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", str(port),
          "--max-total-tokens", "65536", "--skip-server-warmup", "--spec-client-thread", client_thread],
-        root / "server.log",
+        root / f"server-{client_thread}.log",
         env,
     )  # fmt: skip
     rows = []
@@ -134,7 +135,7 @@ def bench_server(
         deadline = time.monotonic() + 600
         while True:
             if srv.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not start; see {root / 'server.log'}")
+                raise SystemExit(f"server did not start; see {root / f'server-{client_thread}.log'}")
             try:
                 if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=5).status_code == 200:
                     break
@@ -277,7 +278,7 @@ def main() -> int:
     )
     warm = warm_hook_path_us()
     print(
-        f"same scheduler-thread calls (Step + submit + read the decision), this process, warm: p50 {warm:.1f} µs"
+        f"Step + ClientThread.submit + read the decision, this process, warm: p50 {warm:.1f} µs"
     )
     print(
         "\nActuator wrapper (get_steps_for_batch + on_verify_complete), this process, real AdaptiveController"
