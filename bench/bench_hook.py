@@ -277,9 +277,7 @@ def main() -> int:
         f"(warm, idle: {warm_reference_us():.1f} µs); polls per step p50 {pct([float(p) for p in polls], 0.5):.0f}"
     )
     warm = warm_hook_path_us()
-    print(
-        f"Step + ClientThread.submit + read the decision, this process, warm: p50 {warm:.1f} µs"
-    )
+    print(f"Step + ClientThread.submit + read the decision, this process, warm: p50 {warm:.1f} µs")
     print(
         "\nActuator wrapper (get_steps_for_batch + on_verify_complete), this process, real AdaptiveController"
     )
