@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -310,6 +311,15 @@ class ClientThread:
             it looks at the queue again (a dead controller costs one such wait per wake-up).
         idle_poll_ms: with nothing to send, how often the sender thread drains replies.
         maxlen: records queued before the oldest is dropped (counted in :attr:`dropped`).
+        build: turns what :meth:`submit` was given into the :class:`Step` to send, on the
+            sender thread (the hook hands over the few values it read from SGLang and lets
+            this thread make the record); by default :meth:`submit` is given Steps.
+        tick_ms: 0: :meth:`submit` wakes the sender thread for every record (a futex call on
+            the caller's thread). Above 0: while records flow, the sender thread looks at the
+            queue every ``tick_ms`` by itself (and at once when a reply comes), so
+            :meth:`submit` is a bare append; records wait up to ``tick_ms`` before their send.
+        park_after: with ``tick_ms``, after this many looks found no record the thread goes
+            back to waiting for :meth:`submit` to wake it (an idle server costs no ticks).
         profile: keep the sender thread's CPU time (:attr:`busy_cpu_ns`) and its lag
             (:attr:`last_lag_ns`), for the benchmark.
 
@@ -332,10 +342,17 @@ class ClientThread:
         reply_wait_ms: int = 2,
         idle_poll_ms: float = 50.0,
         maxlen: int = 256,
+        build: Callable[[Any], Step] | None = None,
+        tick_ms: int = 0,
+        park_after: int = 64,
         profile: bool = False,
         name: str = "specdepth-client",
     ) -> None:
         self.client = client
+        self._build = build
+        self._tick_ms = tick_ms
+        self._park_after = park_after
+        self._parked = True  # the thread waits for submit() to wake it
         self.depth: int | None = None
         self.decisions = 0
         self.dropped = 0
@@ -345,7 +362,7 @@ class ClientThread:
         self._reply_wait_ms = reply_wait_ms
         self._idle_s = idle_poll_ms / 1000.0
         self._profile = profile
-        self._queue: deque[Step] = deque(maxlen=maxlen)
+        self._queue: deque[Any] = deque(maxlen=maxlen)
         self._wake = threading.Lock()
         self._wake.acquire()  # held = nothing to do; submit() releases it
         self._stop = False
@@ -353,12 +370,14 @@ class ClientThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, step: Step) -> None:
-        """Queue one record for the sender thread; never blocks, never raises for the network."""
+    def submit(self, item: Any) -> None:
+        """Queue one record (or what ``build`` makes one from) for the sender thread; never blocks."""
         queue = self._queue
         if len(queue) == queue.maxlen:
             self.dropped += 1
-        queue.append(step)
+        queue.append(item)
+        if not self._parked:  # ticking: it looks at the queue by itself
+            return
         wake = self._wake
         if wake.locked():
             try:
@@ -367,25 +386,38 @@ class ClientThread:
                 pass
 
     def _run(self) -> None:
-        client, queue, wake = self.client, self._queue, self._wake
+        client, queue, wake, build = self.client, self._queue, self._wake, self._build
+        tick, empty = self._tick_ms, 0
         while not self._stop:
-            wake.acquire(timeout=self._idle_s)  # returns at once if submit() released it
+            if self._parked:
+                wake.acquire(timeout=self._idle_s)  # returns at once if submit() released it
+                if tick and queue:  # records flow again: tick until they stop
+                    self._parked = False
+            else:
+                client.wait(tick)  # without the GIL; returns early when a reply comes
             if self._stop:
                 break
             t0 = time.thread_time_ns() if self._profile else 0
             try:
                 sent = False
                 while queue:
-                    step = queue.popleft()
+                    item = queue.popleft()
+                    step = item if build is None else build(item)
                     client.send_step(step)
                     sent = True
                     if self._profile:
                         self.last_lag_ns = time.monotonic_ns() - step.ts_ns
-                if sent:
+                if sent and not tick:
                     client.wait(self._reply_wait_ms)
                 client.poll_decision()
                 self.depth = client.depth
                 self.decisions = client.counters["decisions"]
+                if tick:
+                    empty = 0 if sent else empty + 1
+                    if empty >= self._park_after:  # records stopped: wait for submit() to wake us
+                        self._parked = True
+                        if queue:  # submit() came in between and saw us ticking
+                            self._parked = False
             except Exception as exc:  # never let the thread die: the caller would wait for nothing
                 self.errors += 1
                 kind = type(exc).__name__
@@ -431,10 +463,28 @@ class InlineClient:
     when no record went out for a while). Nothing else in the process competes with the
     caller for the GIL, which on a CPU-bound scheduler costs less than the thread's hand-over
     saves (``docs/hook.md`` "Cost").
+
+    Args:
+        client: a connected client, used from the caller's thread only.
+        build: as for :class:`ClientThread`, run on the caller's thread.
+        min_drain_ns: drain at most this often (0: at every call). Draining is most of a
+            visit's cost; where no decision is applied (a server without speculation) the
+            hook drains only now and then, for welcomes and errors.
+        profile: accepted for :class:`ClientThread`'s signature; nothing to profile here.
     """
 
-    def __init__(self, client: ControllerClient, *, profile: bool = False) -> None:
+    def __init__(
+        self,
+        client: ControllerClient,
+        *,
+        build: Callable[[Any], Step] | None = None,
+        min_drain_ns: int = 0,
+        profile: bool = False,
+    ) -> None:
         self.client = client
+        self._build = build
+        self._min_drain_ns = min_drain_ns
+        self._drained_ns = 0
         self.depth: int | None = None
         self.decisions = 0
         self.dropped = 0
@@ -442,13 +492,21 @@ class InlineClient:
         self.busy_cpu_ns = 0  # no thread of its own: always 0
         self.last_lag_ns = 0
 
-    def submit(self, step: Step) -> None:
-        """Drain replies into the newest decision, then send ``step``; never blocks, never raises."""
+    def submit(self, item: Any) -> None:
+        """Drain replies into the newest decision, then send the record; never blocks.
+
+        ``item`` is a :class:`Step`, or what ``build`` makes one from (as for :class:`ClientThread`).
+        """
         self.refresh()
-        self.client.send_step(step)
+        self.client.send_step(item if self._build is None else self._build(item))
 
     def refresh(self) -> None:
-        """Drain replies into the newest decision (a socket visit; for when no record is sent)."""
+        """Drain replies into the newest decision (a socket visit), unless it drained within ``min_drain_ns``."""
+        if self._min_drain_ns:
+            now = time.monotonic_ns()
+            if now - self._drained_ns < self._min_drain_ns:
+                return
+            self._drained_ns = now
         client = self.client
         client.poll_decision()
         self.depth = client.depth

@@ -262,34 +262,54 @@ def kv_usage(scheduler: Any) -> float:
     return 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else float(usage)
 
 
-def ctx_tokens(batch: Any) -> int:
-    """Sum of the sequence lengths in a decode batch, from the cheapest source available."""
+def ctx_source(batch: Any) -> Any:
+    """What :func:`ctx_total` needs to sum a decode batch's sequence lengths, read cheaply now.
+
+    An int when SGLang already summed them, else its ``seq_lens_cpu`` tensor: SGLang replaces
+    that tensor rather than writing into it (``seq_lens_cpu + 1``, ``clone()`` then assign), so
+    it can be summed later, off the scheduler thread. Without either, the sum over the requests
+    is taken now: ``batch.reqs`` is extended in place when a prefill merges in.
+    """
     total = getattr(batch, "seq_lens_sum", None)
     if type(total) is int:
         return total
     lens = getattr(batch, "seq_lens_cpu", None)
     if lens is not None:
-        return sum(lens.tolist())  # a torch reduction costs several µs more for a small batch
+        return lens
     return sum(req.seqlen for req in batch.reqs)
 
 
-def step_depth_and_accept(batch: Any, result: Any, bs: int) -> tuple[int, list[int] | None]:
-    """The draft depth a decode step ran with and its per-request accepted drafts.
+def ctx_total(source: Any) -> int:
+    """Sum of the sequence lengths from :func:`ctx_source`'s answer."""
+    if type(source) is int:
+        return source
+    return sum(source.tolist())  # a torch reduction costs several µs more for a small batch
 
-    ``None`` for the accepted drafts means SGLang did not report them for this step.
+
+def verify_result(batch: Any, result: Any, bs: int) -> tuple[int, Sequence[int] | None]:
+    """The draft depth a decode step ran with and SGLang's own per-request accepted drafts.
+
+    ``None`` for the accepted drafts means SGLang did not report them for this step. The list
+    is SGLang's, unclamped and not copied (SGLang builds a new one per result and never writes
+    into it): :func:`clamp_accept` makes the record's list, possibly later on another thread.
 
     Depth comes from the result (the verify width it actually used, ``draft_tokens - 1``), not
     from the worker, whose state may already point at the next step under overlap scheduling.
     """
     if batch.spec_algorithm.is_none():
-        return 0, []
+        return 0, ()
     width = getattr(result, "speculative_num_draft_tokens", None)
     if type(width) is not int or width < 1:
-        return 0, []
+        return 0, ()
     depth = width - 1
     if depth == 0:
-        return 0, []
+        return 0, ()
     per_req = getattr(result, "num_correct_drafts_per_req_cpu", None)
     if per_req is None or len(per_req) != bs:
         return depth, None
-    return depth, [0 if a < 0 else depth if a > depth else int(a) for a in per_req]
+    return depth, per_req
+
+
+def clamp_accept(per_req: Sequence[int], depth: int) -> list[int]:
+    """Accepted drafts per request as the protocol wants them: ints in ``0..depth``."""
+    return [0 if a < 0 else depth if a > depth else int(a) for a in per_req]

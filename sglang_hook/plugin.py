@@ -14,9 +14,12 @@ Hooks (see :mod:`sglang_hook.compat` for the exact targets):
   ``step`` record and hands it to the client; prefill batches add to ``prefill_tokens``.
 - ``Scheduler.on_idle``: the next decode's ``step_us`` is timed from its own launch.
 
-The entry rank visits its socket once per record, from the scheduler thread
-(:class:`controller.client.InlineClient`); with ``--spec-client-thread on`` a thread of its own
-does (:class:`controller.client.ClientThread`) and the scheduler only queues records.
+The scheduler thread reads only what must be read at the step (a few attributes and
+references SGLang never writes into) and hands them to the client, which builds the ``Step``.
+Where SGLang speculates on a host with CPUs to spare (``--spec-client-thread auto``), the client
+is a thread of its own (:class:`controller.client.ClientThread`): it builds, sends and drains,
+and the scheduler only queues. Elsewhere the scheduler thread does it all, one socket visit per
+record (:class:`controller.client.InlineClient`).
 
 Every hook catches every exception, logs it once, and lets SGLang continue as if the hook
 were absent: a scheduler exception would SIGQUIT the server.
@@ -35,17 +38,22 @@ from controller.errors import ConfigError
 from controller.protocol import MAX_STEP_US, Hello, Step
 from sglang_hook import compat
 from sglang_hook.actuator import ActuatorState, DepthSync, TpSync, log_once, wrap_controller_params
-from sglang_hook.config import HookConfig
+from sglang_hook.config import HookConfig, auto_client_thread, usable_cpus
 
 logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
+# Benchmark: the client thread's tick (ClientThread.tick_ms); 0 = submit() wakes it per record.
+ENV_CLIENT_TICK_MS = "SPECDEPTH_CLIENT_TICK_MS"
 PROFILE_FLUSH_EVERY = 32
 # Without the client thread, the top of a scheduler iteration drains the controller's replies
 # only when the newest step record is older than this: a fresher one cannot have its decision
 # back, and sending it drained just before. Long prefills and idle gaps still drain (staleness
 # must see decisions that came in meanwhile).
 POLL_AFTER_NS = 1_000_000
+# Without speculation no decision is ever applied: the inline client then drains the replies
+# (welcomes, errors that ask for a new hello) at most this often, and each record is one send.
+NO_SPEC_DRAIN_NS = 50_000_000
 # What the benchmark profiler records per decode step (bench/bench_hook.py reads the same keys).
 PROFILE_KEYS = (
     "hook_ns",
@@ -80,6 +88,7 @@ class HookRuntime:
     def __init__(self, config: HookConfig, ranks: compat.Ranks) -> None:
         self.config = config
         self.ranks = ranks
+        self.is_entry = ranks.is_entry  # a plain attribute: read on every scheduler step
         self.state = ActuatorState()
         fallback = (
             "SGLang's adaptive policy" if config.fallback_depth is None else f"depth {config.fallback_depth}"
@@ -92,6 +101,7 @@ class HookRuntime:
         self._client_failed = False
         self._sender_cpu_seen = 0
         self._last_send_ns = 0  # monotonic ns of the newest step record handed to the client
+        self._scheduler: Any = None
         self.instance = ""
         self.hello_depths: tuple[int, ...] = ()
         self.seq = 0
@@ -143,17 +153,34 @@ class HookRuntime:
                 tp=self.ranks.tp_size,
             )
             client = ControllerClient(self.config.endpoint, hello, stale_ms=self.config.stale_ms)
-            # By default the scheduler thread visits the socket itself, once per record
-            # (--spec-client-thread on: a thread of its own does, and competes for the GIL).
-            wrap = ClientThread if self.config.client_thread else InlineClient
-            self.client = wrap(client, profile=self.profiler is not None)
+            thread = self.config.client_thread
+            why = f"--spec-client-thread {'on' if thread else 'off'}"
+            if thread is None:
+                cpus = usable_cpus()
+                thread = auto_client_thread(spec_on, cpus)
+                why = f"auto: speculation {'on' if spec_on else 'off'}, {cpus} CPUs"
+            mode = "on" if thread else "off"
+            if thread:
+                tick_env = os.environ.get(ENV_CLIENT_TICK_MS, "0")
+                tick = int(tick_env) if tick_env.isdigit() else 0
+                if tick:
+                    mode += f", tick {tick} ms"
+                self.client = ClientThread(
+                    client, build=self.build_step, tick_ms=tick, profile=self.profiler is not None
+                )
+            else:
+                # Not longer than a quarter of stale_ms: the client's own staleness safeguard
+                # must see the decisions that came back.
+                drain_ns = 0 if spec_on else min(NO_SPEC_DRAIN_NS, self._stale_ns // 4)
+                self.client = InlineClient(client, build=self.build_step, min_drain_ns=drain_ns)
             logger.info(
-                "spec controller: instance %s -> %s (depths %s, stale %.0f ms, client thread %s)",
+                "spec controller: instance %s -> %s (depths %s, stale %.0f ms, client thread %s (%s))",
                 self.instance,
                 self.config.endpoint,
                 list(depths),
                 self.config.stale_ms,
-                "on" if self.config.client_thread else "off",
+                mode,
+                why,
             )
         except Exception:
             self._client_failed = True
@@ -193,7 +220,7 @@ class HookRuntime:
 
     def after_batch_result(self, scheduler: Any, batch: Any, result: Any) -> None:
         """After SGLang processed a batch result: one step record per decode (entry rank only)."""
-        if not self.ranks.is_entry:
+        if not self.is_entry:
             return
         t0 = self.start() if self.profiler is not None else None
         mode = batch.forward_mode
@@ -221,12 +248,15 @@ class HookRuntime:
             launch = getattr(batch, "launch_ts", None)
             prev = int(launch * 1e9) if isinstance(launch, float) else now_ns
         step_us = min(max((now_ns - prev) // 1000, 0), MAX_STEP_US)
-        self.last_step_us, self.last_bs = int(step_us), bs
-        client = self._ensure_client(scheduler.server_args)
+        self.last_step_us, self.last_bs = step_us, bs
+        client = self.client
         if client is None:
-            return
-        depth, accept = compat.step_depth_and_accept(batch, result, bs)
-        if accept is None:
+            client = self._ensure_client(scheduler.server_args)
+            if client is None:
+                return
+        self._scheduler = scheduler  # build_step reads the KV pool through it
+        depth, per_req = compat.verify_result(batch, result, bs)
+        if per_req is None:
             self.skipped_records += 1
             log_once("no-accept", "spec controller: SGLang reported no verify results; step not sent")
             return
@@ -238,37 +268,60 @@ class HookRuntime:
             )
             return
         self.seq += 1
-        step = Step(
-            instance=self.instance,
-            seq=self.seq,
-            depth=depth,
-            bs=bs,
-            waiting=len(scheduler.waiting_queue),
-            accept=accept,
-            step_us=int(step_us),
-            ctx_tokens=compat.ctx_tokens(batch),
-            kv_usage=compat.kv_usage(scheduler),
-            prefill_tokens=self.prefill_tokens,
-            ts_ns=now_ns,
+        # Only what must be read now, cheaply; build_step() makes the Step from it (with the
+        # client thread, on that thread).
+        captured = (
+            self.seq,
+            depth,
+            bs,
+            len(scheduler.waiting_queue),
+            per_req,
+            step_us,
+            compat.ctx_source(batch),
+            self.prefill_tokens,
+            now_ns,
         )
         self.prefill_tokens = 0
-        self.send(client, step)
+        self.send(client, captured, now_ns)
 
-    def send(self, client: Any, step: Step) -> None:
+    def build_step(self, captured: tuple[Any, ...]) -> Step:
+        """The step record from what :meth:`_record_decode` captured (the client calls this).
+
+        With the client thread this runs on that thread, so ``kv_usage`` is read when the
+        record is packed, a fraction of a millisecond after the step; everything else is the
+        step's own.
+        """
+        seq, depth, bs, waiting, per_req, step_us, ctx, prefill, ts_ns = captured
+        return Step(
+            instance=self.instance,
+            seq=seq,
+            depth=depth,
+            bs=bs,
+            waiting=waiting,
+            accept=compat.clamp_accept(per_req, depth) if depth else [],
+            step_us=step_us,
+            ctx_tokens=compat.ctx_total(ctx),
+            kv_usage=compat.kv_usage(self._scheduler),
+            prefill_tokens=prefill,
+            ts_ns=ts_ns,
+        )
+
+    def send(self, client: Any, captured: tuple[Any, ...], ts_ns: int) -> None:
         """Hand one record to the client (never blocks); staleness counts from the first unanswered one.
 
-        Inline (the default) the client drains the replies and sends in one visit to the socket:
-        after a GPU step each visit runs from cold caches, so one per step costs less than two.
+        Inline, the client drains the replies and sends in one visit to the socket: after a GPU
+        step each visit runs from cold caches, so one per step costs less than two. With the
+        client thread, this is a hand-over.
         """
         if self.profiler is not None:
             t0 = time.perf_counter_ns()
-            client.submit(step)
+            client.submit(captured)
             self.pending_site_ns["send"] += time.perf_counter_ns() - t0
         else:
-            client.submit(step)
-        self._last_send_ns = step.ts_ns
+            client.submit(captured)
+        self._last_send_ns = ts_ns
         if self._unanswered_since_ns is None:
-            self._unanswered_since_ns = step.ts_ns
+            self._unanswered_since_ns = ts_ns
 
     def on_idle(self) -> None:
         self.prev_decode_ns = None
@@ -390,7 +443,7 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
     rt = runtime()
     if rt is None:
         return original(receiver, recv_reqs, *args, **kwargs)
-    if recv_reqs is not None and rt.ranks.is_entry:
+    if recv_reqs is not None and rt.is_entry:
         t0 = rt.start() if rt.profiler is not None else None
         try:
             marker = rt.offer(receiver.server_args)

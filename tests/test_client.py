@@ -368,3 +368,30 @@ def test_client_thread_close_is_idempotent_and_joins(tmp_path: Path) -> None:
     assert not thread._thread.is_alive()
     thread.submit(make_step(2))  # after close: queued, never sent, never raises
     assert client._closed
+
+
+def test_client_thread_ticking_sends_without_being_woken_and_parks_when_idle(
+    fake: tuple[FakeController, str],
+) -> None:
+    """tick_ms > 0: submit() is a bare append while records flow; idle, the thread parks again."""
+    ctl, endpoint = fake
+    with ClientThread(connected(endpoint, ctl), tick_ms=1, park_after=5) as thread:
+        woken = 0  # submits that had to wake the thread
+        base = thread.client.counters["sent"]  # steps sent while connecting
+        for seq in range(1, 51):
+            woken += thread._parked
+            thread.submit(make_step(seq))
+            time.sleep(0.0005)
+        deadline = time.monotonic() + 5.0
+        while thread.client.counters["sent"] < base + 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thread.client.counters["sent"] == base + 50
+        assert woken <= 2, "submit() woke a ticking thread"
+        time.sleep(0.2)  # idle: 5 empty looks and it parks
+        assert thread._parked
+        woken += thread._parked
+        thread.submit(make_step(51))  # the first record after idle wakes it
+        deadline = time.monotonic() + 5.0
+        while thread.client.counters["sent"] < base + 51 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thread.client.counters["sent"] == base + 51 and woken >= 1

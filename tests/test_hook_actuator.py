@@ -29,6 +29,51 @@ DEPTHS = (0, 1, 2, 3, 5)
 RECEIVER = SimpleNamespace(server_args=SimpleNamespace(port=30000, model_path="tiny", dp_size=1))
 
 
+class FakeMode:
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+    def is_extend(self) -> bool:
+        return not self.decode
+
+
+def fake_scheduler(free: int = 900, evictable: int = 0, total: int = 1000, waiting: int = 0) -> Any:
+    """The attributes of SGLang's ``Scheduler`` that the step record reads."""
+    return SimpleNamespace(
+        server_args=RECEIVER.server_args,
+        waiting_queue=[object()] * waiting,
+        max_total_num_tokens=total,
+        token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: free),
+        tree_cache=SimpleNamespace(evictable_size=lambda: evictable),
+    )
+
+
+def fake_decode(
+    rt: plugin.HookRuntime,
+    scheduler: Any,
+    seq_lens: list[int],
+    depth: int = 0,
+    accept: list[int] | None = None,
+) -> None:
+    """One decode step through the hook's real record path, with SGLang's batch and result faked."""
+    import torch
+
+    spec = SimpleNamespace(is_none=lambda: depth == 0)
+    batch = SimpleNamespace(
+        reqs=[object()] * len(seq_lens),
+        forward_mode=FakeMode(decode=True),
+        spec_algorithm=spec,
+        seq_lens_sum=None,
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
+        launch_ts=None,
+    )
+    result = SimpleNamespace(speculative_num_draft_tokens=depth + 1, num_correct_drafts_per_req_cpu=accept)
+    rt.after_batch_result(scheduler, batch, result)
+
+
 class MinimalAdaptiveWorker:
     """Implements SGLang's ``AdaptiveSpecWorker`` protocol with plain runtime states."""
 
@@ -259,7 +304,6 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
     import threading
     import time
 
-    from controller.protocol import Step
     from controller.service import ServeConfig, Server
 
     endpoint = f"ipc://{tmp_path}/ctl.sock"
@@ -272,16 +316,13 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
 
     rt = plugin.HookRuntime(HookConfig(endpoint=endpoint, stale_ms=200.0), compat.Ranks())
     rt.state.valid = frozenset(DEPTHS)  # as if SGLang built runtime states for DEPTHS
-    seq = 0
+    scheduler = fake_scheduler()
 
     def step_until(want: int | None, timeout_s: float = 5.0) -> int | None:
-        nonlocal seq
         deadline = time.monotonic() + timeout_s
         got = rt.current_depth(rt.client)
         while got != want and time.monotonic() < deadline:
-            seq += 1
-            step = Step(rt.instance, seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns())
-            rt.send(rt.client, step)
+            fake_decode(rt, scheduler, [10])
             time.sleep(0.01)
             got = rt.current_depth(rt.client)
         return got
@@ -318,7 +359,6 @@ def test_the_scheduler_thread_never_touches_the_socket(
     import time
 
     from controller.client import ControllerClient
-    from controller.protocol import Step
     from controller.service import ServeConfig, Server
 
     endpoint = f"ipc://{tmp_path}/ctl.sock"
@@ -342,8 +382,9 @@ def test_the_scheduler_thread_never_touches_the_socket(
         callers.clear()  # the first hello goes out as the client is built; steps are what count
         got = None
         deadline = time.monotonic() + 5.0
-        for seq in range(1, 10_000):
-            rt.send(client, Step(rt.instance, seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()))
+        scheduler = fake_scheduler()
+        for _ in range(1, 10_000):
+            fake_decode(rt, scheduler, [10])
             time.sleep(0.002)  # a decode step
             got = rt.current_depth(client)
             if got == 3 or time.monotonic() > deadline:
@@ -364,7 +405,6 @@ def test_client_thread_off_visits_the_socket_on_the_callers_thread(tmp_path: Pat
     import time
 
     from controller.client import InlineClient
-    from controller.protocol import Step
     from controller.service import ServeConfig, Server
 
     endpoint = f"ipc://{tmp_path}/ctl.sock"
@@ -380,8 +420,9 @@ def test_client_thread_off_visits_the_socket_on_the_callers_thread(tmp_path: Pat
         assert threading.active_count() == threads_before
         got = None
         deadline = time.monotonic() + 5.0
-        for seq in range(1, 10_000):
-            rt.send(client, Step(rt.instance, seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()))
+        scheduler = fake_scheduler()
+        for _ in range(1, 10_000):
+            fake_decode(rt, scheduler, [10])
             time.sleep(0.002)
             got = rt.current_depth(client)
             if got == 3 or time.monotonic() > deadline:
@@ -419,9 +460,117 @@ def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
     inner = CountingClient()
     client = InlineClient(inner)  # type: ignore[arg-type]
     for seq in range(1, 4):
-        rt.send(client, Step("i", seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()))
+        rt.send(
+            client, Step("i", seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()), time.monotonic_ns()
+        )
         assert rt.current_depth(client) == 3  # right after a record: no second visit
     assert (inner.sends, inner.polls) == (3, 3)
     time.sleep(plugin.POLL_AFTER_NS / 1e9 + 0.005)  # a long prefill or an idle gap
     assert rt.current_depth(client) == 3
     assert inner.polls == 4
+
+
+class RecordingClient:
+    """ControllerClient's interface, keeping what it is asked to send."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.depth: int | None = None
+        self.counters = {"decisions": 0}
+
+    def send_step(self, step: Any) -> None:
+        self.sent.append(step)
+
+    def poll_decision(self) -> int | None:
+        return None
+
+    def wait(self, timeout_ms: int) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["inline", "client-thread"])
+def test_the_step_record_holds_what_sglang_reported(thread: bool) -> None:
+    """The scheduler thread captures; the record is built inline or on the client thread, the same."""
+    import time
+
+    from controller.client import ClientThread, InlineClient
+    from controller.protocol import Step
+
+    rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
+    rt.instance, rt.hello_depths = "i", DEPTHS
+    inner = RecordingClient()
+    wrap = ClientThread if thread else InlineClient
+    rt.client = wrap(inner, build=rt.build_step)  # type: ignore[arg-type]
+    scheduler = fake_scheduler(free=600, evictable=100, total=1000, waiting=2)
+    rt.prefill_tokens = 7
+    try:
+        fake_decode(rt, scheduler, [10, 20, 30, 40], depth=3, accept=[-1, 2, 5, 3])
+        fake_decode(rt, scheduler, [11, 21], depth=3, accept=[1, 0])
+        fake_decode(rt, scheduler, [12, 22], depth=4, accept=[1, 0])  # not announced: skipped
+        fake_decode(rt, scheduler, [12, 22, 5], depth=3, accept=[1, 0])  # accept not for every request
+        deadline = time.monotonic() + 5.0
+        while len(inner.sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        rt.client.close()
+    assert rt.skipped_records == 2
+    got = [
+        (s.seq, s.depth, s.bs, s.waiting, s.accept, s.ctx_tokens, s.kv_usage, s.prefill_tokens)
+        for s in inner.sent
+    ]
+    assert all(type(s) is Step for s in inner.sent)
+    assert got == [
+        (1, 3, 4, 2, [0, 2, 3, 3], 100, pytest.approx(0.3), 7),
+        (2, 3, 2, 2, [1, 0], 32, pytest.approx(0.3), 0),
+    ]
+    assert inner.sent[0].ts_ns < inner.sent[1].ts_ns
+
+
+def test_inline_client_without_speculation_drains_only_now_and_then() -> None:
+    """No decision is applied without speculation: a record is one send, replies drain rarely."""
+    from controller.client import InlineClient
+    from controller.protocol import Step
+
+    class CountingClient(RecordingClient):
+        polls = 0
+
+        def poll_decision(self) -> int | None:
+            self.polls += 1
+            return None
+
+    inner = CountingClient()
+    client = InlineClient(inner, min_drain_ns=10**12)  # type: ignore[arg-type]
+    for seq in range(1, 6):
+        client.submit(Step("i", seq, 0, 1, 0, [], 1000, 10, 0.1, 0, seq))
+    client.refresh()
+    assert (len(inner.sent), inner.polls) == (5, 1)
+
+
+@pytest.mark.parametrize(
+    ("speculative", "cpus", "flag", "want"),
+    [
+        (True, 16, None, "ClientThread"),
+        (True, 2, None, "InlineClient"),
+        (False, 16, None, "InlineClient"),
+        (False, 2, True, "ClientThread"),
+        (True, 16, False, "InlineClient"),
+    ],
+)
+def test_client_thread_auto_follows_speculation_and_cpus(
+    monkeypatch: pytest.MonkeyPatch, speculative: bool, cpus: int, flag: bool | None, want: str
+) -> None:
+    monkeypatch.setattr(plugin, "usable_cpus", lambda: cpus)
+    rt = plugin.HookRuntime(
+        HookConfig(endpoint="ipc:///tmp/hook-none.sock", client_thread=flag), compat.Ranks()
+    )
+    if speculative:
+        rt.state.valid = frozenset(DEPTHS)
+    client = rt._ensure_client(RECEIVER.server_args)
+    try:
+        assert type(client).__name__ == want
+        assert rt.hello_depths == (DEPTHS if speculative else (0,))
+    finally:
+        client.close()
