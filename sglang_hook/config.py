@@ -22,6 +22,7 @@ ENV_FALLBACK = "SPECDEPTH_FALLBACK"
 ENV_STALE_MS = "SPECDEPTH_STALE_MS"
 ENV_INSTANCE = "SPECDEPTH_INSTANCE"
 ENV_CLIENT_THREAD = "SPECDEPTH_CLIENT_THREAD"
+AUTO_THREAD_MIN_CPUS = 4  # --spec-client-thread auto: fewer, and the thread slows the scheduler
 
 DEFAULT_DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 5)
 DEFAULT_STALE_MS = 200.0
@@ -43,8 +44,10 @@ class HookConfig:
         instance: replica name sent in ``hello``; empty = derived from host and port.
         client_thread: the controller's socket on a thread of its own, so the scheduler
             thread only hands records over (~60 µs less on it per step on the H200 host, but
-            the thread competes for the GIL: a CPU-bound scheduler got slower); ``False``
-            (default) = the scheduler thread sends and drains itself.
+            the thread competes for the GIL: a CPU-bound scheduler got slower); ``False`` =
+            the scheduler thread sends and drains itself; ``None`` (default, ``auto``) = on
+            where SGLang speculates and the scheduler has at least
+            :data:`AUTO_THREAD_MIN_CPUS` CPUs, else off (:func:`auto_client_thread`).
     """
 
     endpoint: str
@@ -52,7 +55,7 @@ class HookConfig:
     fallback_depth: int | None = None
     stale_ms: float = DEFAULT_STALE_MS
     instance: str = ""
-    client_thread: bool = False
+    client_thread: bool | None = None
 
     def __post_init__(self) -> None:
         if not _ENDPOINT_RE.match(self.endpoint):
@@ -77,8 +80,8 @@ class HookConfig:
         }
         if self.instance:
             env[ENV_INSTANCE] = self.instance
-        if self.client_thread:
-            env[ENV_CLIENT_THREAD] = "on"
+        if self.client_thread is not None:
+            env[ENV_CLIENT_THREAD] = "on" if self.client_thread else "off"
         return env
 
     @classmethod
@@ -98,7 +101,7 @@ class HookConfig:
             fallback_depth=parse_fallback(env.get(ENV_FALLBACK, FALLBACK_SGLANG)),
             stale_ms=parse_stale_ms(env.get(ENV_STALE_MS, str(DEFAULT_STALE_MS))),
             instance=env.get(ENV_INSTANCE, ""),
-            client_thread=parse_on_off(env.get(ENV_CLIENT_THREAD, "off"), "--spec-client-thread"),
+            client_thread=parse_auto_on_off(env.get(ENV_CLIENT_THREAD, "auto"), "--spec-client-thread"),
         )
 
 
@@ -152,11 +155,36 @@ def parse_stale_ms(text: str) -> float:
     return value
 
 
-def parse_on_off(text: str, flag: str) -> bool:
-    """Parse ``on`` / ``off`` (also ``1``/``0``, ``true``/``false``). Raises :class:`ConfigError`."""
+def parse_auto_on_off(text: str, flag: str) -> bool | None:
+    """Parse ``auto`` (None), ``on`` / ``off`` (also ``1``/``0``, ``true``/``false``).
+
+    Raises:
+        ConfigError: anything else.
+    """
     value = text.strip().lower()
+    if value == "auto":
+        return None
     if value in ("on", "1", "true", "yes"):
         return True
     if value in ("off", "0", "false", "no"):
         return False
-    raise ConfigError(f"{flag} {text!r}: expected on or off")
+    raise ConfigError(f"{flag} {text!r}: expected auto, on or off")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_client_thread(speculative: bool, cpus: int) -> bool:
+    """``--spec-client-thread auto``: a client thread only where it was measured to help.
+
+    On the H200 host (EAGLE-3, 16 CPUs) the thread took the hook's time on the scheduler thread
+    from ~105 to ~45 µs per step and left step times unchanged. On a 2-CPU box the thread made
+    a CPU-bound scheduler's steps 17-31% slower: it competes with torch's threads for the cores
+    and for the GIL. Without speculation there is no decision to wait for either.
+    """
+    return speculative and cpus >= AUTO_THREAD_MIN_CPUS

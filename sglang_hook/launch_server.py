@@ -4,7 +4,7 @@ Usage::
 
     python -m sglang_hook.launch_server --spec-controller ipc:///tmp/spec-controller.sock \\
         [--spec-depths 0,1,2,3,5] [--spec-fallback sglang|K] [--spec-stale-ms 200] \\
-        [--spec-instance NAME] [--spec-client-thread on|off] <any sglang.launch_server arguments>
+        [--spec-instance NAME] [--spec-client-thread auto|on|off] <any sglang.launch_server arguments>
 
 What it does, in order:
 
@@ -42,9 +42,9 @@ from sglang_hook.config import (
     DEFAULT_STALE_MS,
     FALLBACK_SGLANG,
     HookConfig,
+    parse_auto_on_off,
     parse_depths,
     parse_fallback,
-    parse_on_off,
     parse_stale_ms,
 )
 
@@ -134,7 +134,7 @@ def plan(argv: Sequence[str], config_path: str) -> Plan:
         fallback_depth=parse_fallback(own.get("--spec-fallback", FALLBACK_SGLANG)),
         stale_ms=parse_stale_ms(own.get("--spec-stale-ms", str(DEFAULT_STALE_MS))),
         instance=own.get("--spec-instance", ""),
-        client_thread=parse_on_off(own.get("--spec-client-thread", "off"), "--spec-client-thread"),
+        client_thread=parse_auto_on_off(own.get("--spec-client-thread", "auto"), "--spec-client-thread"),
     )
     if _has_flag(rest, "--enable-dp-attention"):
         raise Refused(
@@ -200,7 +200,7 @@ def _refuse_instead_of_disabling() -> None:
 
 HELP = f"""usage: python -m {PROG} --spec-controller ENDPOINT [--spec-depths LIST]
        [--spec-fallback sglang|K] [--spec-stale-ms MS] [--spec-instance NAME]
-       [--spec-client-thread on|off] <sglang args>
+       [--spec-client-thread auto|on|off] <sglang args>
 
 SGLang's server with the speculation controller's hook wired in: after every decode step the
 entry rank streams a step record to the controller and applies the draft depth it answers at
@@ -216,10 +216,13 @@ hook options (everything else goes to sglang.launch_server unchanged):
   --spec-stale-ms MS          fall back once steps went unanswered this long (default: {DEFAULT_STALE_MS:g})
   --spec-instance NAME        the replica's name in the controller's traces (default: derived
                               from the host and port)
-  --spec-client-thread on|off off (default): the scheduler thread sends each record and drains
-                              the replies itself; on: a thread of its own does, and the
-                              scheduler only hands records over (less time on the scheduler
-                              thread, but that thread competes for the GIL; see docs/hook.md)
+  --spec-client-thread auto|on|off
+                              on: a thread of its own talks to the controller, and the
+                              scheduler thread only hands records over (less time on it, but
+                              the thread competes for the GIL and the cores); off: the
+                              scheduler thread sends and drains itself; auto (default): on
+                              when SGLang speculates and the scheduler has 4 or more CPUs
+                              (see docs/hook.md "Cost")
 
 With --speculative-algorithm EAGLE/EAGLE3 the launcher adds --speculative-adaptive and a
 generated --speculative-adaptive-config listing the depths, and refuses (exit 2) what SGLang's

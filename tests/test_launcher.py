@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -43,7 +44,18 @@ def test_client_thread_flag_reaches_the_schedulers_environment(tmp_path) -> None
     default = plan(base, str(tmp_path / "a.json")).config
     on = plan([*base, "--spec-client-thread", "on"], str(tmp_path / "b.json")).config
     off = plan([*base, "--spec-client-thread=off"], str(tmp_path / "c.json")).config
-    assert not default.client_thread and on.client_thread and not off.client_thread
+    auto = plan([*base, "--spec-client-thread", "AUTO"], str(tmp_path / "d.json")).config
+    assert default.client_thread is None and auto.client_thread is None
+    assert on.client_thread is True and off.client_thread is False
     # What the scheduler processes read back is what the flag said.
-    assert HookConfig.from_env(on.to_env()) == on
-    assert HookConfig.from_env(off.to_env()) == off
+    for config in (default, on, off):
+        assert HookConfig.from_env(config.to_env()) == config
+
+
+def test_auto_client_thread_only_where_speculation_runs_on_enough_cpus() -> None:
+    from sglang_hook.config import AUTO_THREAD_MIN_CPUS, auto_client_thread, usable_cpus
+
+    assert auto_client_thread(True, AUTO_THREAD_MIN_CPUS)
+    assert not auto_client_thread(True, AUTO_THREAD_MIN_CPUS - 1)
+    assert not auto_client_thread(False, 64)
+    assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
