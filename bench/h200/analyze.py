@@ -209,7 +209,9 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
             # The hook logs its client-thread mode (from call 9); calls up to 6 ran it inline.
             log = folder / f"server_{level}.log"
             found = (
-                re.findall(r"client thread (on|off)\)", log.read_text(errors="replace"))
+                re.findall(
+                    r"client thread (on|off)(?:, tick (\d+) ms)?(?:\)| \()", log.read_text(errors="replace")
+                )
                 if log.exists()
                 else []
             )
@@ -223,7 +225,7 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                     "call": call,
                     "level": level,
                     # Call 8 ran the thread before its mode was logged: its CPU time shows it.
-                    "client_thread": found[0]
+                    "client_thread": (found[0][0] + (f", tick {found[0][1]} ms" if found[0][1] else ""))
                     if found
                     else "on"
                     if any(prof.get("sender_cpu_ns", []))
@@ -260,7 +262,7 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
         )
         thread = (
             f"{r['sender_cpu_p50_us']:.1f} / {r['sender_cpu_p99_us']:.1f}, {r['lag_p50_us']:.1f}"
-            if r["client_thread"] == "on" and "sender_cpu_p50_us" in r
+            if r["client_thread"].startswith("on") and "sender_cpu_p50_us" in r
             else "–"
         )
         by_bs = " / ".join(
