@@ -389,12 +389,13 @@ class ClientThread:
         client, queue, wake, build = self.client, self._queue, self._wake, self._build
         tick, empty = self._tick_ms, 0
         while not self._stop:
+            replied = True
             if self._parked:
                 wake.acquire(timeout=self._idle_s)  # returns at once if submit() released it
                 if tick and queue:  # records flow again: tick until they stop
                     self._parked = False
             else:
-                client.wait(tick)  # without the GIL; returns early when a reply comes
+                replied = client.wait(tick)  # without the GIL; returns early when a reply comes
             if self._stop:
                 break
             t0 = time.thread_time_ns() if self._profile else 0
@@ -409,9 +410,10 @@ class ClientThread:
                         self.last_lag_ns = time.monotonic_ns() - step.ts_ns
                 if sent and not tick:
                     client.wait(self._reply_wait_ms)
-                client.poll_decision()
-                self.depth = client.depth
-                self.decisions = client.counters["decisions"]
+                if replied:  # a tick that saw no reply has nothing to drain
+                    client.poll_decision()
+                    self.depth = client.depth
+                    self.decisions = client.counters["decisions"]
                 if tick:
                     empty = 0 if sent else empty + 1
                     if empty >= self._park_after:  # records stopped: wait for submit() to wake us
