@@ -15,11 +15,12 @@ Rows (every number measured in this run; ratios side by side, interleaved in blo
 3. throughput: the server pinned to one core, 8 instances with 64 steps in flight each;
    sustained step messages/s, and every decision received in order (none lost).
 4. client critical path: what the SGLang hook runs on the scheduler thread per step, with a
-   live controller answering: by default the ``ControllerClient`` called inline
-   (``send_step`` + ``poll_decision``, i.e. ``poll(0)``); with ``--spec-client-thread on``,
-   ``ClientThread.submit`` + reading the newest decision. Between steps the caller holds the
-   GIL for 200 µs (Python work) and then releases it for 800 µs (a GPU wait), as a
-   scheduler does.
+   live controller answering. Where SGLang speculates on >= 4 CPUs the hook's default
+   (``--spec-client-thread auto``) is the client thread: ``ClientThread.submit`` + reading
+   the newest decision, timed with the thread woken per record and with it ticking every
+   1 ms. Elsewhere, the ``ControllerClient`` called inline (``send_step`` + ``poll_decision``,
+   i.e. ``poll(0)``). Between steps the caller holds the GIL for 200 µs (Python work) and
+   then releases it for 800 µs (a GPU wait), as a scheduler does.
 
 Plus a breakdown of the in-controller path measured in-process (decode, Featurizer, MLP).
 Servers and the echo run as separate processes; the load generator runs on other cores
@@ -350,7 +351,7 @@ def bench_client(endpoint: str, n: int, busy_us: int = 200, wait_us: int = 800) 
 
 
 def bench_client_thread(
-    endpoint: str, n: int, busy_us: int = 200, wait_us: int = 800
+    endpoint: str, n: int, busy_us: int = 200, wait_us: int = 800, tick_ms: int = 0
 ) -> dict[str, list[int]]:
     """What the hook puts on the scheduler's critical path: ClientThread.submit + reading the decision.
 
@@ -359,7 +360,7 @@ def bench_client_thread(
     time per step, spent off the caller's thread.
     """
     name = f"ct-{os.getpid()}"
-    thread = ClientThread(ControllerClient(endpoint, Hello(name, DEPTHS)), profile=True)
+    thread = ClientThread(ControllerClient(endpoint, Hello(name, DEPTHS)), tick_ms=tick_ms, profile=True)
     steps = step_stream(name, n + 2000, seed=8)
     deadline = time.monotonic() + 10
     i = 0
@@ -557,12 +558,13 @@ def main() -> int:
             )
         )
 
-    # 4: the client's cost on the scheduler's critical path, same server: the hook's default
-    # (the plain client called inline) and its --spec-client-thread on (ClientThread).
+    # 4: the client's cost on the scheduler's critical path, same server: the client thread
+    # (woken per record, then ticking) and the plain client called inline.
     cl_ep = f"ipc://{tmp}/cl.sock"
     server = serve(str(policy), cl_ep, server_cores)
     try:
         ct = bench_client_thread(cl_ep, int(5_000 * scale))
+        tick = bench_client_thread(cl_ep, int(5_000 * scale), tick_ms=1)
         cl = bench_client(cl_ep, int(5_000 * scale))
     finally:
         server.stop()
@@ -572,22 +574,23 @@ def main() -> int:
         rows.append((f"client critical path, {label}, p50", f"{p50:.1f} µs", "≤ 15 µs", _ok(p50 <= 15)))
         rows.append((f"client critical path, {label}, p99", f"{p99:.1f} µs", "≤ 40 µs", _ok(p99 <= 40)))
 
-    critical_path_rows("hook default (send_step + poll_decision)", cl["both"])
+    for label, res in (("client thread, woken per record", ct), ("client thread, 1 ms tick", tick)):
+        critical_path_rows(f"{label} (submit + read)", res["both"])
+        rows.append(
+            (
+                "  decision back before the next step / client thread CPU per step",
+                f"{res['fresh'][0]}/{len(res['both'])} / {res['sender_cpu'][0] / 1000:.1f} µs",
+                "",
+                "off the caller's thread",
+            )
+        )
+    critical_path_rows("inline, no thread (send_step + poll_decision)", cl["both"])
     rows.append(
         (
             "  send_step p50 / poll_decision p50",
             f"{pct(cl['send'], 50):.1f} / {pct(cl['poll'], 50):.1f} µs",
             "",
             f"{cl['answered'][0]}/{len(cl['both'])} answered",
-        )
-    )
-    critical_path_rows("--spec-client-thread on (submit + read)", ct["both"])
-    rows.append(
-        (
-            "  decision back before the next step / client thread CPU per step",
-            f"{ct['fresh'][0]}/{len(ct['both'])} / {ct['sender_cpu'][0] / 1000:.1f} µs",
-            "",
-            "off the caller's thread",
         )
     )
 
