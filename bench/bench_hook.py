@@ -15,8 +15,9 @@ inside the scheduler here.
 
 Targets (issue): p50 ≤ 15 µs and p99 ≤ 40 µs per step.
 
-By default two servers run one after the other, with the hook's client thread on and off
-(the hook's default: the scheduler thread visits the socket itself), so the rows compare both.
+By default two servers run one after the other, with the hook's client thread on and off, so
+the rows compare both. (``auto``, the hook's default, is off here: this CPU server does not
+speculate. Set ``SPECDEPTH_CLIENT_TICK_MS=1`` to time the ticking client thread.)
 
 Usage: ``python bench/bench_hook.py [--concurrency 1,4,16] [--tokens 128] [--client-thread on,off] [--keep DIR]``
 """
@@ -226,7 +227,7 @@ def main() -> int:
     ap.add_argument(
         "--client-thread",
         default="on,off",
-        help="servers to run one after the other: the hook's --spec-client-thread on and/or off",
+        help="servers to run one after the other: the hook's --spec-client-thread on, off and/or auto",
     )
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
