@@ -262,21 +262,41 @@ def kv_usage(scheduler: Any) -> float:
     return 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else float(usage)
 
 
-def ctx_source(batch: Any) -> Any:
-    """What :func:`ctx_total` needs to sum a decode batch's sequence lengths, read cheaply now.
+def capture_decode(scheduler: Any, batch: Any, result: Any, bs: int) -> tuple[int, Any, int, Any]:
+    """What a decode step's record needs from SGLang, read right after the step, cheaply.
 
-    An int when SGLang already summed them, else its ``seq_lens_cpu`` tensor: SGLang replaces
-    that tensor rather than writing into it (``seq_lens_cpu + 1``, ``clone()`` then assign), so
-    it can be summed later, off the scheduler thread. Without either, the sum over the requests
-    is taken now: ``batch.reqs`` is extended in place when a prefill merges in.
+    Returns ``(depth, per_req, waiting, ctx)``:
+
+    - ``depth``: the draft depth the step ran with, from the verify width SGLang actually used
+      (``draft_tokens - 1``), not from the worker, whose state may already point at the next
+      step under overlap scheduling;
+    - ``per_req``: SGLang's own per-request accepted drafts (``()`` at depth 0; ``None`` when
+      SGLang did not report them for this step), unclamped and not copied: SGLang builds a new
+      list per result and never writes into it; :func:`clamp_accept` makes the record's list;
+    - ``waiting``: requests in SGLang's waiting queue;
+    - ``ctx``: for :func:`ctx_total`: an int when SGLang already summed the sequence lengths,
+      else its ``seq_lens_cpu`` tensor, which SGLang replaces rather than writes into
+      (``seq_lens_cpu + 1``, ``clone()`` then assign), so it can be summed later, off the
+      scheduler thread. Without either, the sum over the requests is taken now: ``batch.reqs``
+      is extended in place when a prefill merges in.
+
+    One call on the scheduler thread: after a GPU step each Python call runs from cold caches.
     """
-    total = getattr(batch, "seq_lens_sum", None)
-    if type(total) is int:
-        return total
-    lens = getattr(batch, "seq_lens_cpu", None)
-    if lens is not None:
-        return lens
-    return sum(req.seqlen for req in batch.reqs)
+    waiting = len(scheduler.waiting_queue)
+    ctx = batch.seq_lens_sum
+    if type(ctx) is not int:
+        ctx = batch.seq_lens_cpu
+        if ctx is None:
+            ctx = sum(req.seqlen for req in batch.reqs)
+    if batch.spec_algorithm.is_none():
+        return 0, (), waiting, ctx
+    width = getattr(result, "speculative_num_draft_tokens", None)
+    if type(width) is not int or width <= 1:
+        return 0, (), waiting, ctx
+    per_req = getattr(result, "num_correct_drafts_per_req_cpu", None)
+    if per_req is None or len(per_req) != bs:
+        return width - 1, None, waiting, ctx
+    return width - 1, per_req, waiting, ctx
 
 
 def ctx_total(source: Any) -> int:
@@ -284,30 +304,6 @@ def ctx_total(source: Any) -> int:
     if type(source) is int:
         return source
     return sum(source.tolist())  # a torch reduction costs several µs more for a small batch
-
-
-def verify_result(batch: Any, result: Any, bs: int) -> tuple[int, Sequence[int] | None]:
-    """The draft depth a decode step ran with and SGLang's own per-request accepted drafts.
-
-    ``None`` for the accepted drafts means SGLang did not report them for this step. The list
-    is SGLang's, unclamped and not copied (SGLang builds a new one per result and never writes
-    into it): :func:`clamp_accept` makes the record's list, possibly later on another thread.
-
-    Depth comes from the result (the verify width it actually used, ``draft_tokens - 1``), not
-    from the worker, whose state may already point at the next step under overlap scheduling.
-    """
-    if batch.spec_algorithm.is_none():
-        return 0, ()
-    width = getattr(result, "speculative_num_draft_tokens", None)
-    if type(width) is not int or width < 1:
-        return 0, ()
-    depth = width - 1
-    if depth == 0:
-        return 0, ()
-    per_req = getattr(result, "num_correct_drafts_per_req_cpu", None)
-    if per_req is None or len(per_req) != bs:
-        return depth, None
-    return depth, per_req
 
 
 def clamp_accept(per_req: Sequence[int], depth: int) -> list[int]:

@@ -43,7 +43,11 @@ from sglang_hook.config import HookConfig, auto_client_thread, usable_cpus
 logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
-# Benchmark: the client thread's tick (ClientThread.tick_ms); 0 = submit() wakes it per record.
+# The client thread looks at its queue every CLIENT_TICK_MS while records flow, so handing a
+# record over is a bare append (on the H200: 1.8 µs against 4.6 µs for a wake per record, the
+# same step times, a record sent ~0.3 ms later, far inside a decode step).
+# SPECDEPTH_CLIENT_TICK_MS=0 wakes it per record instead.
+CLIENT_TICK_MS = 1
 ENV_CLIENT_TICK_MS = "SPECDEPTH_CLIENT_TICK_MS"
 PROFILE_FLUSH_EVERY = 32
 # Without the client thread, the top of a scheduler iteration drains the controller's replies
@@ -161,8 +165,8 @@ class HookRuntime:
                 why = f"auto: speculation {'on' if spec_on else 'off'}, {cpus} CPUs"
             mode = "on" if thread else "off"
             if thread:
-                tick_env = os.environ.get(ENV_CLIENT_TICK_MS, "0")
-                tick = int(tick_env) if tick_env.isdigit() else 0
+                tick_env = os.environ.get(ENV_CLIENT_TICK_MS, "").strip()
+                tick = int(tick_env) if tick_env.isdigit() else CLIENT_TICK_MS
                 if tick:
                     mode += f", tick {tick} ms"
                 self.client = ClientThread(
@@ -190,31 +194,30 @@ class HookRuntime:
 
     def offer(self, server_args: Any) -> DepthSync | None:
         """Entry rank, top of each scheduler iteration: maybe drain (never blocking), maybe emit a marker."""
-        client = self._ensure_client(server_args)
+        client = self.client
+        if client is None:
+            client = self._ensure_client(server_args)
         return self.sync.offer(None if client is None else self.current_depth(client))
 
     def current_depth(self, client: Any) -> int | None:
-        """The depth to use now, or None (fall back): the newest decision, if fresh."""
-        if time.monotonic_ns() - self._last_send_ns > POLL_AFTER_NS:
-            client.refresh()  # without the client thread: drain; with it: nothing to do
-        seen = client.decisions
-        if seen != self._decisions_seen:  # a decision came back: restart the staleness clock
-            self._decisions_seen = seen
-            self._unanswered_since_ns = None
-        return self._fresh_depth(client)
-
-    def _fresh_depth(self, client: Any) -> int | None:
-        """The newest decision polled, unless steps have gone unanswered for ``stale_ms``.
+        """The depth to use now, or None (fall back): the newest decision, unless stale.
 
         Staleness runs only while steps are outstanding: decisions answer steps, so an idle
         server (no steps) keeps its last decision instead of flapping to the fallback, while a
         dead or stuck controller is noticed ``stale_ms`` after the first unanswered step.
         """
+        now = time.monotonic_ns()
+        if now - self._last_send_ns > POLL_AFTER_NS:
+            client.refresh()  # without the client thread: drain; with it: nothing to do
+        seen = client.decisions
+        if seen != self._decisions_seen:  # a decision came back: restart the staleness clock
+            self._decisions_seen = seen
+            self._unanswered_since_ns = None
         depth = client.depth
         since = self._unanswered_since_ns
-        if depth is None or (since is not None and time.monotonic_ns() - since > self._stale_ns):
+        if depth is None or (since is not None and now - since > self._stale_ns):
             return None
-        return int(depth)
+        return depth  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ entry rank: telemetry
 
@@ -237,6 +240,8 @@ class HookRuntime:
                 self.stop(t0, "rec")
 
     def _record_decode(self, scheduler: Any, batch: Any, result: Any) -> None:
+        # The scheduler thread's share of a record: few calls and no allocation but the tuple
+        # handed over (after a GPU step every call and attribute runs from cold caches).
         now_ns = time.monotonic_ns()
         bs = len(batch.reqs)
         prev = self.prev_decode_ns
@@ -247,42 +252,43 @@ class HookRuntime:
             # First decode after start or idle: time it from its own launch, not the idle gap.
             launch = getattr(batch, "launch_ts", None)
             prev = int(launch * 1e9) if isinstance(launch, float) else now_ns
-        step_us = min(max((now_ns - prev) // 1000, 0), MAX_STEP_US)
-        self.last_step_us, self.last_bs = step_us, bs
+        step_us = (now_ns - prev) // 1000
+        if step_us < 0 or step_us > MAX_STEP_US:
+            step_us = 0 if step_us < 0 else MAX_STEP_US
         client = self.client
         if client is None:
             client = self._ensure_client(scheduler.server_args)
             if client is None:
                 return
         self._scheduler = scheduler  # build_step reads the KV pool through it
-        depth, per_req = compat.verify_result(batch, result, bs)
-        if per_req is None:
-            self.skipped_records += 1
-            log_once("no-accept", "spec controller: SGLang reported no verify results; step not sent")
+        depth, per_req, waiting, ctx = compat.capture_decode(scheduler, batch, result, bs)
+        if per_req is None or depth not in self.hello_depths:
+            self._skip(depth, per_req)
             return
-        if depth not in self.hello_depths:
-            # The controller would refuse it (bad_depth); a gap in the trace is more honest.
-            self.skipped_records += 1
+        self.seq = seq = self.seq + 1
+        # build_step() makes the Step from this (with the client thread, on that thread).
+        captured = (seq, depth, bs, waiting, per_req, step_us, ctx, self.prefill_tokens, now_ns)
+        self.prefill_tokens = 0
+        if self.profiler is None:
+            client.submit(captured)
+        else:
+            self.last_step_us, self.last_bs = step_us, bs
+            t0 = time.perf_counter_ns()
+            client.submit(captured)
+            self.pending_site_ns["send"] += time.perf_counter_ns() - t0
+        # Staleness counts from the first record left unanswered.
+        self._last_send_ns = now_ns
+        if self._unanswered_since_ns is None:
+            self._unanswered_since_ns = now_ns
+
+    def _skip(self, depth: int, per_req: Any) -> None:
+        self.skipped_records += 1
+        if per_req is None:
+            log_once("no-accept", "spec controller: SGLang reported no verify results; step not sent")
+        else:  # the controller would refuse it (bad_depth); a gap in the trace is more honest
             log_once(
                 f"depth-{depth}", "spec controller: step ran at depth %d, not announced; not sent", depth
             )
-            return
-        self.seq += 1
-        # Only what must be read now, cheaply; build_step() makes the Step from it (with the
-        # client thread, on that thread).
-        captured = (
-            self.seq,
-            depth,
-            bs,
-            len(scheduler.waiting_queue),
-            per_req,
-            step_us,
-            compat.ctx_source(batch),
-            self.prefill_tokens,
-            now_ns,
-        )
-        self.prefill_tokens = 0
-        self.send(client, captured, now_ns)
 
     def build_step(self, captured: tuple[Any, ...]) -> Step:
         """The step record from what :meth:`_record_decode` captured (the client calls this).
@@ -305,23 +311,6 @@ class HookRuntime:
             prefill_tokens=prefill,
             ts_ns=ts_ns,
         )
-
-    def send(self, client: Any, captured: tuple[Any, ...], ts_ns: int) -> None:
-        """Hand one record to the client (never blocks); staleness counts from the first unanswered one.
-
-        Inline, the client drains the replies and sends in one visit to the socket: after a GPU
-        step each visit runs from cold caches, so one per step costs less than two. With the
-        client thread, this is a hand-over.
-        """
-        if self.profiler is not None:
-            t0 = time.perf_counter_ns()
-            client.submit(captured)
-            self.pending_site_ns["send"] += time.perf_counter_ns() - t0
-        else:
-            client.submit(captured)
-        self._last_send_ns = ts_ns
-        if self._unanswered_since_ns is None:
-            self._unanswered_since_ns = ts_ns
 
     def on_idle(self) -> None:
         self.prev_decode_ns = None

@@ -457,12 +457,12 @@ def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
             self.sends += 1
 
     rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
+    rt.instance, rt.hello_depths = "i", (0,)
     inner = CountingClient()
-    client = InlineClient(inner)  # type: ignore[arg-type]
-    for seq in range(1, 4):
-        rt.send(
-            client, Step("i", seq, 0, 1, 0, [], 1000, 10, 0.1, 0, time.monotonic_ns()), time.monotonic_ns()
-        )
+    client = rt.client = InlineClient(inner, build=rt.build_step)  # type: ignore[arg-type]
+    scheduler = fake_scheduler()
+    for _ in range(3):
+        fake_decode(rt, scheduler, [10])
         assert rt.current_depth(client) == 3  # right after a record: no second visit
     assert (inner.sends, inner.polls) == (3, 3)
     time.sleep(plugin.POLL_AFTER_NS / 1e9 + 0.005)  # a long prefill or an idle gap
