@@ -297,13 +297,13 @@ class ClientThread:
     decision; with nothing queued it still drains every ``idle_poll_ms`` (welcomes, hellos
     after a controller restart).
 
-    Why a thread: after a GPU step, a visit to ZeroMQ from the scheduler thread costs ~67 µs
-    at p50 on the H200 host (cold caches, and a syscall to wake ZeroMQ's I/O thread); the
-    hand-over costs 6-7 µs. The cost is the GIL: the sender thread needs it to pack the record
-    and decode the reply, and again after each ZeroMQ call. It takes it whenever the scheduler
-    releases it around a torch call, and the scheduler then waits. On a CPU-bound scheduler
-    that made steps slower, so the hook uses :class:`InlineClient` unless told otherwise
-    (``docs/hook.md`` "Cost").
+    Why a thread: after a GPU step, a visit to ZeroMQ from the scheduler thread costs ~60 µs
+    at p50 on the H200 host (cold caches, and syscalls to wake ZeroMQ's I/O thread and to read
+    its mailbox); the hand-over costs 1.6 µs ticking, 4.6 µs woken per record. The cost is the
+    GIL: the sender thread needs it to build and pack the record and decode the reply, and
+    takes it whenever the scheduler releases it around a torch call. On the H200 that left
+    step times unchanged; on a CPU-bound 2-CPU scheduler it made steps slower, so the hook
+    uses it only where SGLang speculates on >= 4 CPUs (``docs/hook.md`` "Cost").
 
     Args:
         client: a connected client, handed over: from now on only the sender thread uses it.
