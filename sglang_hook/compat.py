@@ -300,7 +300,7 @@ def capture_decode(scheduler: Any, batch: Any, result: Any, bs: int) -> tuple[in
 
 
 def ctx_total(source: Any) -> int:
-    """Sum of the sequence lengths from :func:`ctx_source`'s answer."""
+    """Sum of the sequence lengths from the ``ctx`` that :func:`capture_decode` returned."""
     if type(source) is int:
         return source
     return sum(source.tolist())  # a torch reduction costs several µs more for a small batch

@@ -183,7 +183,7 @@ def auto_client_thread(speculative: bool, cpus: int) -> bool:
     """``--spec-client-thread auto``: a client thread only where it was measured to help.
 
     On the H200 host (EAGLE-3, 16 CPUs) the thread took the hook's time on the scheduler thread
-    from ~105 to ~45 µs per step and left step times unchanged. On a 2-CPU box the thread made
+    from ~72 to ~15 µs per step (p50) and left step times unchanged. On a 2-CPU box the thread made
     a CPU-bound scheduler's steps 17-31% slower: it competes with torch's threads for the cores
     and for the GIL. Without speculation there is no decision to wait for either.
     """
