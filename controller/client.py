@@ -472,7 +472,6 @@ class InlineClient:
         min_drain_ns: drain at most this often (0: at every call). Draining is most of a
             visit's cost; where no decision is applied (a server without speculation) the
             hook drains only now and then, for welcomes and errors.
-        profile: accepted for :class:`ClientThread`'s signature; nothing to profile here.
     """
 
     def __init__(
@@ -481,7 +480,6 @@ class InlineClient:
         *,
         build: Callable[[Any], Step] | None = None,
         min_drain_ns: int = 0,
-        profile: bool = False,
     ) -> None:
         self.client = client
         self._build = build

@@ -283,9 +283,9 @@ def capture_decode(scheduler: Any, batch: Any, result: Any, bs: int) -> tuple[in
     One call on the scheduler thread: after a GPU step each Python call runs from cold caches.
     """
     waiting = len(scheduler.waiting_queue)
-    ctx = batch.seq_lens_sum
+    ctx = getattr(batch, "seq_lens_sum", None)
     if type(ctx) is not int:
-        ctx = batch.seq_lens_cpu
+        ctx = getattr(batch, "seq_lens_cpu", None)
         if ctx is None:
             ctx = sum(req.seqlen for req in batch.reqs)
     if batch.spec_algorithm.is_none():
