@@ -38,6 +38,7 @@ BROADCAST_REQS = (
 )
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+FORWARD_MODE = "sglang.srt.model_executor.forward_batch_info.ForwardMode"
 MAYBE_DISABLE_ADAPTIVE = "sglang.srt.arg_groups.speculative_hook._maybe_disable_adaptive"
 
 
@@ -105,8 +106,11 @@ CONTRACT: tuple[Target, ...] = (
     Target("sglang.launch_server.run_server", ("server_args",), why="launcher"),
     Target("sglang.srt.plugins.hook_registry.HookRegistry.register", ("cls", "target", "hook"), why="plugin"),
     Target("sglang.srt.runtime_context.get_parallel", (), why="tp/dp/pp ranks"),
+    Target(FORWARD_MODE + ".DECODE", kind="attr", why="the step record: decode batches"),
+    Target(FORWARD_MODE + ".is_extend", kind="attr", why="the step record: prefill tokens"),
     Target("sglang.srt.managers.utils.GenerationBatchResult.num_correct_drafts_per_req_cpu", kind="field"),
     Target("sglang.srt.managers.utils.GenerationBatchResult.speculative_num_draft_tokens", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.forward_mode", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.reqs", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens_cpu", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens_sum", kind="field"),
@@ -262,45 +266,15 @@ def kv_usage(scheduler: Any) -> float:
     return 0.0 if usage < 0.0 else 1.0 if usage > 1.0 else float(usage)
 
 
-def capture_decode(scheduler: Any, batch: Any, result: Any, bs: int) -> tuple[int, Any, int, Any]:
-    """What a decode step's record needs from SGLang, read right after the step, cheaply.
+def decode_mode() -> Any:
+    """SGLang's ``ForwardMode.DECODE``: ``mode == decode_mode()`` is ``mode.is_decode()`` without its call."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    Returns ``(depth, per_req, waiting, ctx)``:
-
-    - ``depth``: the draft depth the step ran with, from the verify width SGLang actually used
-      (``draft_tokens - 1``), not from the worker, whose state may already point at the next
-      step under overlap scheduling;
-    - ``per_req``: SGLang's own per-request accepted drafts (``()`` at depth 0; ``None`` when
-      SGLang did not report them for this step), unclamped and not copied: SGLang builds a new
-      list per result and never writes into it; :func:`clamp_accept` makes the record's list;
-    - ``waiting``: requests in SGLang's waiting queue;
-    - ``ctx``: for :func:`ctx_total`: an int when SGLang already summed the sequence lengths,
-      else its ``seq_lens_cpu`` tensor, which SGLang replaces rather than writes into
-      (``seq_lens_cpu + 1``, ``clone()`` then assign), so it can be summed later, off the
-      scheduler thread. Without either, the sum over the requests is taken now: ``batch.reqs``
-      is extended in place when a prefill merges in.
-
-    One call on the scheduler thread: after a GPU step each Python call runs from cold caches.
-    """
-    waiting = len(scheduler.waiting_queue)
-    ctx = getattr(batch, "seq_lens_sum", None)
-    if type(ctx) is not int:
-        ctx = getattr(batch, "seq_lens_cpu", None)
-        if ctx is None:
-            ctx = sum(req.seqlen for req in batch.reqs)
-    if batch.spec_algorithm.is_none():
-        return 0, (), waiting, ctx
-    width = getattr(result, "speculative_num_draft_tokens", None)
-    if type(width) is not int or width <= 1:
-        return 0, (), waiting, ctx
-    per_req = getattr(result, "num_correct_drafts_per_req_cpu", None)
-    if per_req is None or len(per_req) != bs:
-        return width - 1, None, waiting, ctx
-    return width - 1, per_req, waiting, ctx
+    return ForwardMode.DECODE
 
 
 def ctx_total(source: Any) -> int:
-    """Sum of the sequence lengths from the ``ctx`` that :func:`capture_decode` returned."""
+    """Sum of the sequence lengths: an int SGLang summed, or its ``seq_lens_cpu`` tensor, summed now."""
     if type(source) is int:
         return source
     return sum(source.tolist())  # a torch reduction costs several µs more for a small batch

@@ -27,6 +27,7 @@ were absent: a scheduler exception would SIGQUIT the server.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -78,6 +79,11 @@ PROFILE_KEYS = (
     # how long the newest record waited before its send (from its ts_ns).
     "sender_cpu_ns",
     "lag_ns",
+    # Of hook_ns: Python's cyclic garbage collector running inside the hook's windows. A
+    # collection runs where the allocation count crosses its threshold (3.12: at the next
+    # function call or loop jump after that), so the hook's first call after SGLang's own
+    # allocations can host a collection whose work is SGLang's young objects.
+    "gc_ns",
 )
 
 
@@ -106,6 +112,9 @@ class HookRuntime:
         self._sender_cpu_seen = 0
         self._last_send_ns = 0  # monotonic ns of the newest step record handed to the client
         self._scheduler: Any = None
+        self._offered: int | None = None  # the depth last given to sync.offer(), which dedups too
+        self._offered_any = False
+        self._decode_mode = compat.decode_mode()
         self.instance = ""
         self.hello_depths: tuple[int, ...] = ()
         self.seq = 0
@@ -121,7 +130,12 @@ class HookRuntime:
         self.pending_cpu_ns = 0
         self.pending_polls = 0
         self.pending_site_ns = {"rec": 0, "send": 0, "poll": 0, "wrap": 0}
+        self.pending_gc_ns = 0
+        self._gc_ns = 0  # wall ns inside collections, all of them, since start
+        self._gc_t0 = 0
         self._profile: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
+        if self.profiler is not None:
+            gc.callbacks.append(self._on_gc)
 
     # ------------------------------------------------------------------ entry rank: controller
 
@@ -197,7 +211,13 @@ class HookRuntime:
         client = self.client
         if client is None:
             client = self._ensure_client(server_args)
-        return self.sync.offer(None if client is None else self.current_depth(client))
+        depth = None if client is None else self.current_depth(client)
+        if depth == self._offered and self._offered_any:  # most iterations: nothing changed
+            return None
+        # A depth the sync refuses goes to it every time (it counts each ignored decision).
+        valid = self.state.valid
+        self._offered, self._offered_any = depth, depth is None or valid is None or depth in valid
+        return self.sync.offer(depth)
 
     def current_depth(self, client: Any) -> int | None:
         """The depth to use now, or None (fall back): the newest decision, unless stale.
@@ -222,64 +242,88 @@ class HookRuntime:
     # ------------------------------------------------------------------ entry rank: telemetry
 
     def after_batch_result(self, scheduler: Any, batch: Any, result: Any) -> None:
-        """After SGLang processed a batch result: one step record per decode (entry rank only)."""
-        if not self.is_entry:
-            return
-        t0 = self.start() if self.profiler is not None else None
-        mode = batch.forward_mode
-        if mode.is_decode():
-            self._record_decode(scheduler, batch, result)
+        """After SGLang processed a batch result: one step record per decode (entry rank only).
+
+        The scheduler thread's share of a record, in one frame: after a GPU step every call,
+        attribute and object runs from cold caches, so this reads only what must be read at
+        the step and allocates only the tuple it hands over (build_step() makes the ``Step``
+        from it; with the client thread, on that thread). What it reads from SGLang:
+
+        - ``result.speculative_num_draft_tokens``: the verify width the step ran with; the
+          depth is ``width - 1`` (not the worker's, which under overlap scheduling may already
+          point at the next step); ``None`` or 1 = no speculation, depth 0;
+        - ``result.num_correct_drafts_per_req_cpu``: accepted drafts per request, unclamped and
+          not copied: SGLang builds a new list per result and never writes into it;
+        - ``batch.seq_lens_sum`` when SGLang summed it, else ``batch.seq_lens_cpu``, which SGLang
+          replaces rather than writes into (``seq_lens_cpu + 1``, ``clone()``), so the sum is
+          taken later; without either, the sum over ``batch.reqs`` now (``reqs`` is extended
+          in place when a prefill merges in);
+        - ``len(batch.reqs)``, ``len(scheduler.waiting_queue)``, and ``batch.launch_ts`` for the
+          first decode after idle.
+        """
+        prof = self.profiler
+        t0 = None if prof is None else prof.start()
+        if batch.forward_mode == self._decode_mode:  # ForwardMode.is_decode() without its call
+            now_ns = time.monotonic_ns()
+            bs = len(batch.reqs)
+            prev = self.prev_decode_ns
+            self.prev_decode_ns = now_ns
+            if prev is None:
+                # First decode after start or idle: time it from its own launch, not the idle gap.
+                launch = getattr(batch, "launch_ts", None)
+                prev = int(launch * 1e9) if isinstance(launch, float) else now_ns
+            step_us = (now_ns - prev) // 1000
+            if step_us < 0 or step_us > MAX_STEP_US:
+                step_us = 0 if step_us < 0 else MAX_STEP_US
+            client = self.client
+            if client is None:
+                client = self._ensure_client(scheduler.server_args)
+            width = result.speculative_num_draft_tokens
+            if type(width) is int and width > 1:
+                depth = width - 1
+                per_req = result.num_correct_drafts_per_req_cpu
+                if per_req is not None and len(per_req) != bs:
+                    per_req = None
+            else:
+                depth, per_req = 0, ()
+            if bs == 0 or client is None:
+                pass
+            elif per_req is None or depth not in self.hello_depths:
+                self._skip(depth, per_req)
+            else:
+                ctx = batch.seq_lens_sum
+                if type(ctx) is not int:
+                    ctx = batch.seq_lens_cpu
+                    if ctx is None:
+                        ctx = sum(req.seqlen for req in batch.reqs)
+                self.seq = seq = self.seq + 1
+                captured = (
+                    seq, depth, bs, len(scheduler.waiting_queue), per_req, step_us, ctx,
+                    self.prefill_tokens, now_ns,
+                )  # fmt: skip
+                self.prefill_tokens = 0
+                self._scheduler = scheduler  # build_step reads the KV pool through it
+                if prof is None:
+                    client.submit(captured)
+                else:
+                    self.last_step_us, self.last_bs = step_us, bs
+                    t1 = time.perf_counter_ns()
+                    client.submit(captured)
+                    self.pending_site_ns["send"] += time.perf_counter_ns() - t1
+                # Staleness counts from the first record left unanswered.
+                self._last_send_ns = now_ns
+                if self._unanswered_since_ns is None:
+                    self._unanswered_since_ns = now_ns
             if t0 is not None:
                 self._profile["record_cpu_ns"].append(self.stop(t0, "rec"))
-                self._profile_step()
-        elif mode.is_extend():
+                if bs:
+                    self._profile_step()
+        elif batch.forward_mode.is_extend():
             n = getattr(batch, "extend_num_tokens", None)
             if type(n) is int and n > 0:
                 self.prefill_tokens += n
             if t0 is not None:
                 self.stop(t0, "rec")
-
-    def _record_decode(self, scheduler: Any, batch: Any, result: Any) -> None:
-        # The scheduler thread's share of a record: few calls and no allocation but the tuple
-        # handed over (after a GPU step every call and attribute runs from cold caches).
-        now_ns = time.monotonic_ns()
-        bs = len(batch.reqs)
-        prev = self.prev_decode_ns
-        self.prev_decode_ns = now_ns
-        if bs == 0:
-            return
-        if prev is None:
-            # First decode after start or idle: time it from its own launch, not the idle gap.
-            launch = getattr(batch, "launch_ts", None)
-            prev = int(launch * 1e9) if isinstance(launch, float) else now_ns
-        step_us = (now_ns - prev) // 1000
-        if step_us < 0 or step_us > MAX_STEP_US:
-            step_us = 0 if step_us < 0 else MAX_STEP_US
-        client = self.client
-        if client is None:
-            client = self._ensure_client(scheduler.server_args)
-            if client is None:
-                return
-        self._scheduler = scheduler  # build_step reads the KV pool through it
-        depth, per_req, waiting, ctx = compat.capture_decode(scheduler, batch, result, bs)
-        if per_req is None or depth not in self.hello_depths:
-            self._skip(depth, per_req)
-            return
-        self.seq = seq = self.seq + 1
-        # build_step() makes the Step from this (with the client thread, on that thread).
-        captured = (seq, depth, bs, waiting, per_req, step_us, ctx, self.prefill_tokens, now_ns)
-        self.prefill_tokens = 0
-        if self.profiler is None:
-            client.submit(captured)
-        else:
-            self.last_step_us, self.last_bs = step_us, bs
-            t0 = time.perf_counter_ns()
-            client.submit(captured)
-            self.pending_site_ns["send"] += time.perf_counter_ns() - t0
-        # Staleness counts from the first record left unanswered.
-        self._last_send_ns = now_ns
-        if self._unanswered_since_ns is None:
-            self._unanswered_since_ns = now_ns
 
     def _skip(self, depth: int, per_req: Any) -> None:
         self.skipped_records += 1
@@ -314,26 +358,33 @@ class HookRuntime:
 
     def on_idle(self) -> None:
         self.prev_decode_ns = None
-        self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = 0
+        self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = self.pending_gc_ns = 0
         for site in self.pending_site_ns:
             self.pending_site_ns[site] = 0
 
     # Benchmark profiler (only when $SPECDEPTH_PROFILE_OUT is set; otherwise nothing is timed).
     # The CPU clock is a syscall, the wall clock is not (vDSO): each wall window opens after and
     # closes before the CPU clock's reads, so the wall numbers carry no syscall of the profiler.
-    @staticmethod
-    def start() -> tuple[int, int]:
+    def start(self) -> tuple[int, int, int]:
         cpu = time.thread_time_ns()
-        return time.perf_counter_ns(), cpu
+        return time.perf_counter_ns(), cpu, self._gc_ns
 
-    def stop(self, t0: tuple[int, int], site: str = "wrap") -> int:
+    def stop(self, t0: tuple[int, int, int], site: str = "wrap") -> int:
         """Close a window opened by :meth:`start`; returns its thread-CPU ns."""
         wall = time.perf_counter_ns() - t0[0]
         cpu = time.thread_time_ns() - t0[1]
         self.pending_wall_ns += wall
         self.pending_cpu_ns += cpu
         self.pending_site_ns[site] += wall
+        self.pending_gc_ns += self._gc_ns - t0[2]
         return cpu
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        # gc.callbacks: called on the collecting thread, at the start and the end of each collection.
+        if phase == "start":
+            self._gc_t0 = time.perf_counter_ns()
+        else:
+            self._gc_ns += time.perf_counter_ns() - self._gc_t0
 
     def _profile_step(self) -> None:
         prof = self._profile
@@ -357,6 +408,8 @@ class HookRuntime:
         prof["sender_cpu_ns"].append(busy - self._sender_cpu_seen)
         self._sender_cpu_seen = busy
         prof["lag_ns"].append(client.last_lag_ns if client is not None else 0)
+        prof["gc_ns"].append(self.pending_gc_ns)
+        self.pending_gc_ns = 0
         if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
             self.flush_profile()
 
@@ -429,7 +482,7 @@ def controller_init_hook(original: Any, controller: Any, *args: Any, **kwargs: A
 
 def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``_broadcast_reqs_across_ranks``: the decision rides SGLang's request broadcast."""
-    rt = runtime()
+    rt = _runtime if _runtime is not None else runtime()
     if rt is None:
         return original(receiver, recv_reqs, *args, **kwargs)
     if recv_reqs is not None and rt.is_entry:
@@ -445,6 +498,8 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
             rt.stop(t0, "poll")
             rt.pending_polls += 1
     out = original(receiver, recv_reqs, *args, **kwargs)
+    if not out:  # most iterations: nothing arrived, no marker either
+        return out
     try:
         return rt.sync.take(out)
     except Exception:
@@ -458,8 +513,8 @@ def batch_result_hook(
 ) -> Any:
     """AROUND ``Scheduler.process_batch_result``: SGLang first, then the step record."""
     out = original(scheduler, batch, result, *args, **kwargs)
-    rt = runtime()
-    if rt is not None:
+    rt = _runtime if _runtime is not None else runtime()
+    if rt is not None and rt.is_entry:
         try:
             rt.after_batch_result(scheduler, batch, result)
         except Exception:

@@ -29,17 +29,6 @@ DEPTHS = (0, 1, 2, 3, 5)
 RECEIVER = SimpleNamespace(server_args=SimpleNamespace(port=30000, model_path="tiny", dp_size=1))
 
 
-class FakeMode:
-    def __init__(self, decode: bool) -> None:
-        self.decode = decode
-
-    def is_decode(self) -> bool:
-        return self.decode
-
-    def is_extend(self) -> bool:
-        return not self.decode
-
-
 def fake_scheduler(free: int = 900, evictable: int = 0, total: int = 1000, waiting: int = 0) -> Any:
     """The attributes of SGLang's ``Scheduler`` that the step record reads."""
     return SimpleNamespace(
@@ -60,18 +49,26 @@ def fake_decode(
 ) -> None:
     """One decode step through the hook's real record path, with SGLang's batch and result faked."""
     import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    spec = SimpleNamespace(is_none=lambda: depth == 0)
     batch = SimpleNamespace(
         reqs=[object()] * len(seq_lens),
-        forward_mode=FakeMode(decode=True),
-        spec_algorithm=spec,
+        forward_mode=ForwardMode.DECODE,
         seq_lens_sum=None,
         seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
         launch_ts=None,
     )
-    result = SimpleNamespace(speculative_num_draft_tokens=depth + 1, num_correct_drafts_per_req_cpu=accept)
+    width = depth + 1 if depth else None  # SGLang leaves it None without speculation
+    result = SimpleNamespace(speculative_num_draft_tokens=width, num_correct_drafts_per_req_cpu=accept)
     rt.after_batch_result(scheduler, batch, result)
+
+
+def fake_prefill(rt: plugin.HookRuntime, scheduler: Any, tokens: int) -> None:
+    """One prefill batch through the hook's real record path: its tokens go into the next record."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    batch = SimpleNamespace(reqs=[object()], forward_mode=ForwardMode.EXTEND, extend_num_tokens=tokens)
+    rt.after_batch_result(scheduler, batch, SimpleNamespace())
 
 
 class MinimalAdaptiveWorker:
@@ -505,8 +502,9 @@ def test_the_step_record_holds_what_sglang_reported(thread: bool) -> None:
     wrap = ClientThread if thread else InlineClient
     rt.client = wrap(inner, build=rt.build_step)  # type: ignore[arg-type]
     scheduler = fake_scheduler(free=600, evictable=100, total=1000, waiting=2)
-    rt.prefill_tokens = 7
     try:
+        fake_prefill(rt, scheduler, 3)
+        fake_prefill(rt, scheduler, 4)
         fake_decode(rt, scheduler, [10, 20, 30, 40], depth=3, accept=[-1, 2, 5, 3])
         fake_decode(rt, scheduler, [11, 21], depth=3, accept=[1, 0])
         fake_decode(rt, scheduler, [12, 22], depth=4, accept=[1, 0])  # not announced: skipped

@@ -102,6 +102,10 @@ def _static_check(root: Path, target: compat.Target) -> str | None:
                 and child.target.id == name
             ):
                 found = child
+            elif isinstance(child, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == name for t in child.targets
+            ):  # an enum member, a class constant
+                found = child
         if found is None:
             return f"{target.path}: {name!r} not found in {file}"
         node = found
