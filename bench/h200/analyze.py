@@ -246,6 +246,18 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                         if prof.get(f"{site}_ns")
                     },
                     "sender_cpu_p99_us": pct([x / 1000 for x in prof.get("sender_cpu_ns") or [0]], 0.99),
+                    # The tail's make-up: hook wall time by batch size, on steps whose window
+                    # held one scheduler iteration, and without garbage collections (from call 14).
+                    "wall_by_bs_us": {
+                        bs: (pct(v, 0.5), pct(v, 0.99))
+                        for bs in (1, 4, 16, 64)
+                        if (v := [w for w, b in zip(wall, prof["bs"], strict=True) if b == bs])
+                    },
+                    "one_iteration": _p50_p99(pct, [w for w, n in zip(wall, prof["polls"], strict=True) if n == 1]),
+                    "gc_steps": sum(1 for g in prof.get("gc_ns", []) if g > 0) if prof.get("gc_ns") else None,
+                    "no_gc": _p50_p99(pct, [w - g / 1000 for w, g in zip(wall, prof["gc_ns"], strict=True)])
+                    if prof.get("gc_ns")
+                    else None,
                 }
             )
     # "socket" is the client's visit to ZeroMQ until call 6; from call 8 the hand-over to the
@@ -275,7 +287,26 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
             f"{sites} | {thread} | {r['step_p50_us']:.0f} | {100 * r['wall_p50_us'] / r['step_p50_us']:.2f}% | "
             f"{by_bs} |"
         )
+    lines += ["", "### the hook's wall time per decode step: its tail", "",
+              "| call | level | p50 / p99 µs at bs 1 / 4 / 16 / 64 | steps of one scheduler iteration p50 / p99 |"
+              " steps with a GC in the hook's windows | p50 / p99 without the GC's time |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        by_bs = " · ".join(
+            f"{r['wall_by_bs_us'][bs][0]:.1f} / {r['wall_by_bs_us'][bs][1]:.1f}" if bs in r["wall_by_bs_us"] else "–"
+            for bs in (1, 4, 16, 64)
+        )
+        one = r["one_iteration"]
+        gc_steps = "–" if r["gc_steps"] is None else f"{r['gc_steps']} of {r['steps']}"
+        no_gc = "–" if r["no_gc"] is None else f"{r['no_gc'][0]:.1f} / {r['no_gc'][1]:.1f}"
+        lines.append(
+            f"| {r['call']} | {r['level']} | {by_bs} | {one[0]:.1f} / {one[1]:.1f} | {gc_steps} | {no_gc} |"
+        )
     return lines + [""], rows
+
+
+def _p50_p99(pct: Any, values: list[float]) -> tuple[float, float]:
+    return (pct(values, 0.5), pct(values, 0.99)) if values else (float("nan"), float("nan"))
 
 
 def controller(*args: str) -> str:
