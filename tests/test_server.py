@@ -282,6 +282,9 @@ def test_every_bad_input_gets_its_error_code_and_a_count(inproc_server: tuple[Se
     # Nothing changed for the instance: the next seq after 100 is still accepted.
     reply = peer.ask(step_wire("a", 101))
     assert reply == {"t": "decision", "v": 1, "instance": "a", "seq": 101, "depth": 2}
+    # The server counts a step after sending its decision (off the hook's critical path), on
+    # its own thread: once the next message is answered, that bookkeeping is done.
+    assert peer.ask(b"\xc1")["code"] == "bad_msgpack"
     assert server.stats.steps == 2
 
 
