@@ -38,14 +38,17 @@ from dataclasses import dataclass
 
 from controller.errors import ConfigError
 from sglang_hook.config import (
+    DEFAULT_CLIENT_TICK_MS,
     DEFAULT_DEPTHS,
     DEFAULT_STALE_MS,
+    ENV_CLIENT_TICK_MS,
     FALLBACK_SGLANG,
     HookConfig,
     parse_auto_on_off,
     parse_depths,
     parse_fallback,
     parse_stale_ms,
+    parse_tick_ms,
 )
 
 PROG = "sglang_hook.launch_server"
@@ -135,6 +138,8 @@ def plan(argv: Sequence[str], config_path: str) -> Plan:
         stale_ms=parse_stale_ms(own.get("--spec-stale-ms", str(DEFAULT_STALE_MS))),
         instance=own.get("--spec-instance", ""),
         client_thread=parse_auto_on_off(own.get("--spec-client-thread", "auto"), "--spec-client-thread"),
+        # A tuning knob without a flag: checked here so a bad value stops the launch, not the hook.
+        client_tick_ms=parse_tick_ms(os.environ.get(ENV_CLIENT_TICK_MS, str(DEFAULT_CLIENT_TICK_MS))),
     )
     if _has_flag(rest, "--enable-dp-attention"):
         raise Refused(

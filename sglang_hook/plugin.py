@@ -44,12 +44,6 @@ from sglang_hook.config import HookConfig, auto_client_thread, usable_cpus
 logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
-# The client thread looks at its queue every CLIENT_TICK_MS while records flow, so handing a
-# record over is a bare append (on the H200: 1.8 µs against 4.6 µs for a wake per record, the
-# same step times, a record sent ~0.3 ms later, far inside a decode step).
-# SPECDEPTH_CLIENT_TICK_MS=0 wakes it per record instead.
-CLIENT_TICK_MS = 1
-ENV_CLIENT_TICK_MS = "SPECDEPTH_CLIENT_TICK_MS"
 PROFILE_FLUSH_EVERY = 32
 # Without the client thread, the top of a scheduler iteration drains the controller's replies
 # only when the newest step record is older than this: a fresher one cannot have its decision
@@ -179,8 +173,7 @@ class HookRuntime:
                 why = f"auto: speculation {'on' if spec_on else 'off'}, {cpus} CPUs"
             mode = "on" if thread else "off"
             if thread:
-                tick_env = os.environ.get(ENV_CLIENT_TICK_MS, "").strip()
-                tick = int(tick_env) if tick_env.isdigit() else CLIENT_TICK_MS
+                tick = self.config.client_tick_ms
                 if tick:
                     mode += f", tick {tick} ms"
                 self.client = ClientThread(

@@ -36,6 +36,26 @@ def test_missing_endpoint_and_bad_depths_are_one_line_exit_2() -> None:
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
 
 
+def test_client_tick_from_the_environment_is_checked_and_carried(tmp_path, monkeypatch) -> None:
+    from controller.errors import ConfigError
+    from sglang_hook.config import ENV_CLIENT_TICK_MS, HookConfig
+    from sglang_hook.launch_server import plan
+
+    base = ["--spec-controller", "ipc:///tmp/x.sock", "--model-path", "/m"]
+    assert plan(base, str(tmp_path / "a.json")).config.client_tick_ms == 1
+    monkeypatch.setenv(ENV_CLIENT_TICK_MS, "0")
+    config = plan(base, str(tmp_path / "b.json")).config
+    assert config.client_tick_ms == 0 and HookConfig.from_env(config.to_env()) == config
+    for bad in ("fast", "-1", "100000"):
+        monkeypatch.setenv(ENV_CLIENT_TICK_MS, bad)
+        try:
+            plan(base, str(tmp_path / "c.json"))
+        except ConfigError as exc:
+            assert ENV_CLIENT_TICK_MS in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
+
+
 def test_client_thread_flag_reaches_the_schedulers_environment(tmp_path) -> None:
     from sglang_hook.config import HookConfig
     from sglang_hook.launch_server import plan
