@@ -430,6 +430,9 @@ class ClientThread:
             if self._profile:
                 self.busy_cpu_ns += time.thread_time_ns() - t0
 
+    refresh_drains = False
+    """:meth:`refresh` does nothing here (a caller on a hot path may skip the call)."""
+
     def refresh(self) -> None:
         """Nothing to do: the sender thread keeps :attr:`depth` and :attr:`decisions` current."""
 
@@ -499,6 +502,9 @@ class InlineClient:
         """
         self.refresh()
         self.client.send_step(item if self._build is None else self._build(item))
+
+    refresh_drains = True
+    """:meth:`refresh` visits the socket (the caller calls it when no record went out for a while)."""
 
     def refresh(self) -> None:
         """Drain replies into the newest decision (a socket visit), unless it drained within ``min_drain_ns``."""

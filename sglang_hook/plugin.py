@@ -78,6 +78,11 @@ PROFILE_KEYS = (
     # function call or loop jump after that), so the hook's first call after SGLang's own
     # allocations can host a collection whose work is SGLang's young objects.
     "gc_ns",
+    # Per scheduler iteration instead of per decode record (lists of their own length): the
+    # hook's wall time from one iteration top to the next, for iterations that processed a
+    # batch result (decode or prefill), and whether that result was a decode.
+    "iter_ns",
+    "iter_decode",
 )
 
 
@@ -125,6 +130,8 @@ class HookRuntime:
         self.pending_polls = 0
         self.pending_site_ns = {"rec": 0, "send": 0, "poll": 0, "wrap": 0}
         self.pending_gc_ns = 0
+        self.pending_iter_ns = 0  # this scheduler iteration's hook time so far
+        self.iter_result = 0  # 0: no batch result yet this iteration, 1: a prefill's, 2: a decode's
         self._gc_ns = 0  # wall ns inside collections, all of them, since start
         self._gc_t0 = 0
         self._profile: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
@@ -220,8 +227,8 @@ class HookRuntime:
         dead or stuck controller is noticed ``stale_ms`` after the first unanswered step.
         """
         now = time.monotonic_ns()
-        if now - self._last_send_ns > POLL_AFTER_NS:
-            client.refresh()  # without the client thread: drain; with it: nothing to do
+        if now - self._last_send_ns > POLL_AFTER_NS and client.refresh_drains:
+            client.refresh()  # the inline client drains; the client thread keeps itself current
         seen = client.decisions
         if seen != self._decisions_seen:  # a decision came back: restart the staleness clock
             self._decisions_seen = seen
@@ -309,6 +316,7 @@ class HookRuntime:
                     self._unanswered_since_ns = now_ns
             if t0 is not None:
                 self._profile["record_cpu_ns"].append(self.stop(t0, "rec"))
+                self.iter_result = 2
                 if bs:
                     self._profile_step()
         elif batch.forward_mode.is_extend():
@@ -317,6 +325,7 @@ class HookRuntime:
                 self.prefill_tokens += n
             if t0 is not None:
                 self.stop(t0, "rec")
+                self.iter_result = self.iter_result or 1
 
     def _skip(self, depth: int, per_req: Any) -> None:
         self.skipped_records += 1
@@ -367,10 +376,18 @@ class HookRuntime:
         wall = time.perf_counter_ns() - t0[0]
         cpu = time.thread_time_ns() - t0[1]
         self.pending_wall_ns += wall
+        self.pending_iter_ns += wall
         self.pending_cpu_ns += cpu
         self.pending_site_ns[site] += wall
         self.pending_gc_ns += self._gc_ns - t0[2]
         return cpu
+
+    def close_iteration(self) -> None:
+        """At an iteration top, before its window: the previous iteration's hook time, if it ran a batch."""
+        if self.iter_result:
+            self._profile["iter_ns"].append(self.pending_iter_ns)
+            self._profile["iter_decode"].append(self.iter_result - 1)
+        self.pending_iter_ns = self.iter_result = 0
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         # gc.callbacks: called on the collecting thread, at the start and the end of each collection.
@@ -479,7 +496,10 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
     if rt is None:
         return original(receiver, recv_reqs, *args, **kwargs)
     if recv_reqs is not None and rt.is_entry:
-        t0 = rt.start() if rt.profiler is not None else None
+        t0 = None
+        if rt.profiler is not None:
+            rt.close_iteration()
+            t0 = rt.start()
         try:
             marker = rt.offer(receiver.server_args)
             if marker is not None:

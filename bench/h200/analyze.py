@@ -253,7 +253,12 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                         for bs in (1, 4, 16, 64)
                         if (v := [w for w, b in zip(wall, prof["bs"], strict=True) if b == bs])
                     },
-                    "one_iteration": _p50_p99(pct, [w for w, n in zip(wall, prof["polls"], strict=True) if n == 1]),
+                    "one_iteration": _p50_p99(
+                        pct, [w for w, n in zip(wall, prof["polls"], strict=True) if n == 1]
+                    ),
+                    # Per scheduler iteration that processed a batch result (from call 15).
+                    "per_iteration": _p50_p99(pct, [x / 1000 for x in prof.get("iter_ns", [])]),
+                    "iterations": len(prof.get("iter_ns", [])),
                     "gc_steps": sum(1 for g in prof.get("gc_ns", []) if g > 0) if prof.get("gc_ns") else None,
                     "no_gc": _p50_p99(pct, [w - g / 1000 for w, g in zip(wall, prof["gc_ns"], strict=True)])
                     if prof.get("gc_ns")
@@ -289,18 +294,23 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
         )
     lines += ["", "### the hook's wall time per decode step: its tail", "",
               "| call | level | p50 / p99 µs at bs 1 / 4 / 16 / 64 | steps of one scheduler iteration p50 / p99 |"
-              " steps with a GC in the hook's windows | p50 / p99 without the GC's time |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+              " steps with a GC in the hook's windows | p50 / p99 without the GC's time |"
+              " per scheduler iteration with a batch result (decode or prefill): n, p50 / p99 |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         by_bs = " · ".join(
-            f"{r['wall_by_bs_us'][bs][0]:.1f} / {r['wall_by_bs_us'][bs][1]:.1f}" if bs in r["wall_by_bs_us"] else "–"
+            f"{r['wall_by_bs_us'][bs][0]:.1f} / {r['wall_by_bs_us'][bs][1]:.1f}"
+            if bs in r["wall_by_bs_us"]
+            else "–"
             for bs in (1, 4, 16, 64)
         )
         one = r["one_iteration"]
         gc_steps = "–" if r["gc_steps"] is None else f"{r['gc_steps']} of {r['steps']}"
         no_gc = "–" if r["no_gc"] is None else f"{r['no_gc'][0]:.1f} / {r['no_gc'][1]:.1f}"
+        it = r["per_iteration"]
+        per_it = f"{r['iterations']}, {it[0]:.1f} / {it[1]:.1f}" if r["iterations"] else "–"
         lines.append(
-            f"| {r['call']} | {r['level']} | {by_bs} | {one[0]:.1f} / {one[1]:.1f} | {gc_steps} | {no_gc} |"
+            f"| {r['call']} | {r['level']} | {by_bs} | {one[0]:.1f} / {one[1]:.1f} | {gc_steps} | {no_gc} | {per_it} |"
         )
     return lines + [""], rows
 
