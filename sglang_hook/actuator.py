@@ -89,6 +89,11 @@ class TpSync:
         self._last_sent: int | None = None
         self._sent_any = False
         self._seq = 0
+        # The shortcut for the entry rank's hot path: offering ``last_desired`` again returns
+        # None and changes nothing while ``repeat_is_noop`` (a refused depth is counted anew
+        # each time, so repeating it is not a no-op).
+        self.last_desired: int | None = None
+        self.repeat_is_noop = False
 
     def offer(self, desired: int | None) -> DepthSync | None:
         """Entry rank, before the broadcast: the marker to append, or ``None`` if nothing changed.
@@ -97,6 +102,8 @@ class TpSync:
         state for is ignored, counted, and treated as no decision.
         """
         valid = self.state.valid
+        self.last_desired = desired
+        self.repeat_is_noop = desired is None or valid is None or desired in valid
         if desired is not None and valid is not None and desired not in valid:
             self.state.counters.invalid_depth += 1
             log_once(

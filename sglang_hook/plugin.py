@@ -111,8 +111,6 @@ class HookRuntime:
         self._sender_cpu_seen = 0
         self._last_send_ns = 0  # monotonic ns of the newest step record handed to the client
         self._scheduler: Any = None
-        self._offered: int | None = None  # the depth last given to sync.offer(), which dedups too
-        self._offered_any = False
         self._decode_mode = compat.decode_mode()
         self.instance = ""
         self.hello_depths: tuple[int, ...] = ()
@@ -212,12 +210,12 @@ class HookRuntime:
         if client is None:
             client = self._ensure_client(server_args)
         depth = None if client is None else self.current_depth(client)
-        if depth == self._offered and self._offered_any:  # most iterations: nothing changed
+        sync = self.sync
+        if (
+            sync.repeat_is_noop and depth == sync.last_desired
+        ):  # most iterations: what offer() answers, without its call
             return None
-        # A depth the sync refuses goes to it every time (it counts each ignored decision).
-        valid = self.state.valid
-        self._offered, self._offered_any = depth, depth is None or valid is None or depth in valid
-        return self.sync.offer(depth)
+        return sync.offer(depth)
 
     def current_depth(self, client: Any) -> int | None:
         """The depth to use now, or None (fall back): the newest decision, unless stale.
@@ -337,7 +335,7 @@ class HookRuntime:
             )
 
     def build_step(self, captured: tuple[Any, ...]) -> Step:
-        """The step record from what :meth:`_record_decode` captured (the client calls this).
+        """The step record from what :meth:`after_batch_result` captured (the client calls this).
 
         With the client thread this runs on that thread, so ``kv_usage`` is read when the
         record is packed, a fraction of a millisecond after the step; everything else is the
