@@ -186,6 +186,7 @@ def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float,
     import numpy as np
     import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from test_hook_actuator import RECEIVER, fake_scheduler  # the tests' SGLang fakes
 
     from controller.client import ClientThread, ControllerClient
     from controller.protocol import Hello
@@ -200,13 +201,7 @@ def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float,
         ControllerClient(nobody, Hello("bench", rt.hello_depths)), build=rt.build_step, tick_ms=1
     )
     plugin.reset_runtime(rt)
-    scheduler = SimpleNamespace(
-        server_args=None,
-        waiting_queue=[],
-        max_total_num_tokens=1000,
-        token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 500),
-        tree_cache=SimpleNamespace(evictable_size=lambda: 0),
-    )
+    scheduler = fake_scheduler()
     batch = SimpleNamespace(
         reqs=[object()] * bs,
         forward_mode=ForwardMode.DECODE,
@@ -218,7 +213,7 @@ def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float,
         SimpleNamespace(speculative_num_draft_tokens=4, num_correct_drafts_per_req_cpu=[1] * bs)
         for _ in range(4)
     ]
-    receiver = SimpleNamespace(server_args=None)
+    receiver = RECEIVER
     big = np.ones(2 << 20)
     junk = {f"k{i}": [i, str(i), {"x": i}] for i in range(3000)}
     pattern = re.compile(r"(\w+)-(\d+)")
