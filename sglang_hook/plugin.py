@@ -204,38 +204,41 @@ class HookRuntime:
             log_once("client", "spec controller: cannot start the controller client; telemetry off", exc=True)
         return self.client
 
-    def offer(self, server_args: Any) -> DepthSync | None:
-        """Entry rank, top of each scheduler iteration: maybe drain (never blocking), maybe emit a marker."""
+    def offer(self, receiver: Any) -> DepthSync | None:
+        """Entry rank, top of each scheduler iteration: the marker to broadcast, or ``None``.
+
+        ``receiver`` is SGLang's request receiver; its ``server_args`` are read only to start the
+        client.
+
+        The depth to apply is the newest decision unless it is stale. Staleness runs only while
+        steps are outstanding: decisions answer steps, so an idle server (no steps) keeps its
+        last decision instead of flapping to the fallback, while a dead or stuck controller is
+        noticed ``stale_ms`` after the first unanswered step. ``sync.last_desired`` holds the
+        depth this found (``None``: fall back).
+
+        One frame on purpose: this runs on every scheduler iteration, after a GPU step has
+        evicted the caches, where each call and attribute read costs a microsecond or more.
+        """
         client = self.client
         if client is None:
-            client = self._ensure_client(server_args)
-        depth = None if client is None else self.current_depth(client)
+            client = self._ensure_client(receiver.server_args)
+        depth = None
+        if client is not None:
+            now = time.monotonic_ns()
+            if client.refresh_drains and now - self._last_send_ns > POLL_AFTER_NS:
+                client.refresh()  # the inline client drains; the client thread keeps itself current
+            seen = client.decisions
+            if seen != self._decisions_seen:  # a decision came back: restart the staleness clock
+                self._decisions_seen = seen
+                self._unanswered_since_ns = None
+            depth = client.depth
+            since = self._unanswered_since_ns
+            if since is not None and now - since > self._stale_ns:
+                depth = None
         sync = self.sync
-        if (
-            sync.repeat_is_noop and depth == sync.last_desired
-        ):  # most iterations: what offer() answers, without its call
+        if sync.repeat_is_noop and depth == sync.last_desired:  # most iterations: nothing changed
             return None
         return sync.offer(depth)
-
-    def current_depth(self, client: Any) -> int | None:
-        """The depth to use now, or None (fall back): the newest decision, unless stale.
-
-        Staleness runs only while steps are outstanding: decisions answer steps, so an idle
-        server (no steps) keeps its last decision instead of flapping to the fallback, while a
-        dead or stuck controller is noticed ``stale_ms`` after the first unanswered step.
-        """
-        now = time.monotonic_ns()
-        if now - self._last_send_ns > POLL_AFTER_NS and client.refresh_drains:
-            client.refresh()  # the inline client drains; the client thread keeps itself current
-        seen = client.decisions
-        if seen != self._decisions_seen:  # a decision came back: restart the staleness clock
-            self._decisions_seen = seen
-            self._unanswered_since_ns = None
-        depth = client.depth
-        since = self._unanswered_since_ns
-        if depth is None or (since is not None and now - since > self._stale_ns):
-            return None
-        return depth  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ entry rank: telemetry
 
@@ -499,7 +502,7 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
             rt.close_iteration()
             t0 = rt.start()
         try:
-            marker = rt.offer(receiver.server_args)
+            marker = rt.offer(receiver)
             if marker is not None:
                 recv_reqs = [*recv_reqs, marker]  # a copy: never mutate SGLang's list
         except Exception:

@@ -198,21 +198,31 @@ def test_actuator_failure_falls_back_to_sglang(tmp_path: Path) -> None:
     assert sync.state.counters.hook_errors == 1
 
 
-class ScriptedDecisions:
-    """The entry rank's fresh-decision source, from a script (``None`` = stale or none).
+class ScriptedClient:
+    """The entry rank's client, its newest decision read from a script (``None`` = none yet).
 
     Freshness itself is tested with the real client and controller below; here the point is
     what the ranks do with whatever the entry rank decided.
     """
 
+    refresh_drains = False
+    decisions = 0
+
     def __init__(self, script: list[int | None]) -> None:
         self.script = script
         self.i = 0
 
-    def __call__(self, client: Any) -> int | None:
+    @property
+    def depth(self) -> int | None:
         value = self.script[self.i]
         self.i += 1
         return value
+
+
+def depth_now(rt: plugin.HookRuntime) -> int | None:
+    """What the entry rank applies at the top of the next scheduler iteration (None: fall back)."""
+    rt.offer(RECEIVER)
+    return rt.sync.last_desired
 
 
 def test_broadcast_hook_survives_a_failing_poll() -> None:
@@ -252,8 +262,7 @@ def _tp_rank_main(rank: int, world: int, init_file: str, script: list[int | None
     controller.register(worker.build_adaptive_runtime_state(3, 4))
     controller.init_states(cuda_graph_bs=None)
     if rank == 0:
-        rt.client = object()  # connected; decisions come from the script
-        rt.current_depth = ScriptedDecisions(script)  # type: ignore[method-assign]
+        rt.client = ScriptedClient(script)  # connected; decisions come from the script
 
     def original(receiver: Any, recv_reqs: Any) -> Any:
         return broadcast_pyobj(recv_reqs, rank, None, src=0)
@@ -317,11 +326,11 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
 
     def step_until(want: int | None, timeout_s: float = 5.0) -> int | None:
         deadline = time.monotonic() + timeout_s
-        got = rt.current_depth(rt.client)
+        got = depth_now(rt)
         while got != want and time.monotonic() < deadline:
             fake_decode(rt, scheduler, [10])
             time.sleep(0.01)
-            got = rt.current_depth(rt.client)
+            got = depth_now(rt)
         return got
 
     server, thread = serve()
@@ -330,7 +339,7 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
         assert rt.hello_depths == DEPTHS
         assert step_until(2) == 2
         time.sleep(0.5)  # idle for longer than stale_ms: no steps, nothing to answer
-        assert rt.current_depth(rt.client) == 2
+        assert depth_now(rt) == 2
     finally:
         server.stop()
         thread.join(5)
@@ -383,7 +392,7 @@ def test_the_scheduler_thread_never_touches_the_socket(
         for _ in range(1, 10_000):
             fake_decode(rt, scheduler, [10])
             time.sleep(0.002)  # a decode step
-            got = rt.current_depth(client)
+            got = depth_now(rt)
             if got == 3 or time.monotonic() > deadline:
                 break
         assert got == 3
@@ -421,7 +430,7 @@ def test_client_thread_off_visits_the_socket_on_the_callers_thread(tmp_path: Pat
         for _ in range(1, 10_000):
             fake_decode(rt, scheduler, [10])
             time.sleep(0.002)
-            got = rt.current_depth(client)
+            got = depth_now(rt)
             if got == 3 or time.monotonic() > deadline:
                 break
         assert got == 3 and client.counters["sent"] >= 1
@@ -456,14 +465,14 @@ def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
     rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
     rt.instance, rt.hello_depths = "i", (0,)
     inner = CountingClient()
-    client = rt.client = InlineClient(inner, build=rt.build_step)  # type: ignore[arg-type]
+    rt.client = InlineClient(inner, build=rt.build_step)  # type: ignore[arg-type]
     scheduler = fake_scheduler()
     for _ in range(3):
         fake_decode(rt, scheduler, [10])
-        assert rt.current_depth(client) == 3  # right after a record: no second visit
+        assert depth_now(rt) == 3  # right after a record: no second visit
     assert (inner.sends, inner.polls) == (3, 3)
     time.sleep(plugin.POLL_AFTER_NS / 1e9 + 0.005)  # a long prefill or an idle gap
-    assert rt.current_depth(client) == 3
+    assert depth_now(rt) == 3
     assert inner.polls == 4
 
 
