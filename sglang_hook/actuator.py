@@ -145,7 +145,8 @@ class ControlledParams:
             the ``sglang`` fallback.
         state: the process's :class:`ActuatorState`.
         fallback_depth: fixed depth when no decision is fresh; ``None`` = SGLang's policy.
-        profiler: benchmark only: ``start()`` → token, ``stop(token)`` around each call.
+        profiler: benchmark only: ``start()`` → token, ``stop(token)`` around the hook's own work
+            in each call (in ``on_verify_complete``: after SGLang's update, which is not the hook's).
     """
 
     def __init__(
@@ -211,6 +212,9 @@ class ControlledParams:
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         """Feed SGLang's policy; let it switch the runtime state only while it is in charge."""
         new_step = self._inner.on_verify_complete(num_correct_drafts_per_req, batch_size)
+        # SGLang's own update above is not the hook's cost; the check below is.
+        prof = self._profiler
+        t0 = prof.start() if prof is not None else None
         try:
             state = self._state
             if state.applied is not None and state.applied in state.valid:  # type: ignore[operator]
@@ -220,6 +224,9 @@ class ControlledParams:
         except Exception:
             self._state.counters.hook_errors += 1
             log_once("on_verify", "spec controller: actuator failed; using SGLang's policy", exc=True)
+        finally:
+            if prof is not None:
+                prof.stop(t0)
         return new_step
 
     def __getattr__(self, name: str) -> Any:

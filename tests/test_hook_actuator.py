@@ -581,3 +581,41 @@ def test_client_thread_auto_follows_speculation_and_cpus(
         assert rt.hello_depths == (DEPTHS if speculative else (0,))
     finally:
         client.close()
+
+
+def test_the_profiler_times_the_wrappers_own_work_not_sglangs() -> None:
+    """Benchmark accounting: both wrapped calls open a window; SGLang's own policy update is outside it."""
+    import time
+
+    from sglang_hook.actuator import ControlledParams
+
+    class SlowParams:  # SGLang's params, its update taking 20 ms
+        candidate_steps = [0, 1, 3]
+
+        def get_steps_for_batch(self, batch_size: int) -> int:
+            return 1
+
+        def on_verify_complete(self, accepted: list[int], batch_size: int) -> int | None:
+            time.sleep(0.02)
+            return 3
+
+    class Windows:
+        def __init__(self) -> None:
+            self.walls: list[int] = []
+
+        def start(self) -> int:
+            return time.perf_counter_ns()
+
+        def stop(self, t0: int) -> None:
+            self.walls.append(time.perf_counter_ns() - t0)
+
+    state, prof = ActuatorState(), Windows()
+    params = ControlledParams(SlowParams(), state, profiler=prof)
+    state.applied = 3  # a decision is in charge: SGLang's switch is suppressed
+    assert params.get_steps_for_batch(4) == 3
+    assert params.on_verify_complete([1, 2, 0, 3], 4) is None
+    state.applied = None  # no decision: SGLang's policy decides and switches
+    assert params.get_steps_for_batch(4) == 1
+    assert params.on_verify_complete([1, 2, 0, 3], 4) == 3
+    assert len(prof.walls) == 4
+    assert max(prof.walls) < 10_000_000, "SGLang's 20 ms update was counted as the hook's"
