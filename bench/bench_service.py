@@ -529,7 +529,7 @@ def main() -> int:
         flush=True,
     )
     print(
-        f"# policy {policy} (depths {list(DEPTHS)}); server on CPUs {sorted(quiet)} (SMT siblings: {sorted(busy - set(quiet))}), load on CPUs {sorted(driver_cores)}",
+        f"# policy {policy} (depths {list(DEPTHS)}); server on CPUs {sorted(quiet)} (their SMT siblings: {sorted(set().union(*map(siblings, quiet)) - set(quiet)) or 'none'}), load on CPUs {sorted(driver_cores)}",
         flush=True,
     )
 
