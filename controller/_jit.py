@@ -51,3 +51,15 @@ def maybe_njit(fn: F) -> F:
     if _NUMBA is None:
         return fn
     return _NUMBA.njit(cache=True)(fn)  # type: ignore[no-any-return]
+
+
+def maybe_njit_reassoc(fn: F) -> F:
+    """:func:`maybe_njit` that also lets LLVM reassociate float sums and fuse multiply-adds.
+
+    For dot products, whose sums then run in SIMD lanes: the result may differ from a strict
+    left-to-right sum in the last bits (as numpy's BLAS does too). NaN and infinity keep
+    their meaning (no ``nnan``/``ninf`` flags).
+    """
+    if _NUMBA is None:
+        return fn
+    return _NUMBA.njit(cache=True, fastmath={"reassoc", "contract"})(fn)  # type: ignore[no-any-return]

@@ -17,10 +17,19 @@ import pytest
 import torch
 from gymnasium import spaces
 
+from controller._jit import JIT_ENABLED
 from controller.errors import PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.policy import make_factory
-from controller.ppo_policy import META_NAME, PPOMeta, load_ppo_factory, meta_for, read_ppo_zip, write_metadata
+from controller.ppo_policy import (
+    META_NAME,
+    PPOMeta,
+    load_ppo_factory,
+    meta_for,
+    read_ppo_zip,
+    tanh32,
+    write_metadata,
+)
 from controller.protocol import Step
 
 DEPTHS = (0, 1, 2, 3, 5)
@@ -92,14 +101,21 @@ def _observations(depths=DEPTHS, n: int = 3000, seed: int = 0) -> np.ndarray:
     return np.vstack([np.array(rows), noise])
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "numpy"])
 @pytest.mark.parametrize(
     "activation,arch", [("tanh", (64, 64)), ("relu", (64, 64)), ("tanh", (16,)), ("relu", (32, 32, 32))]
 )
-def test_numpy_mlp_picks_the_same_action_as_sb3_predict(tmp_path, activation, arch):
+def test_mlp_picks_the_same_action_as_sb3_predict(tmp_path, activation, arch, compiled):
     model, path = _save_model(tmp_path, activation=activation, arch=arch)
     obs = _observations()
     expected, _ = model.predict(obs, deterministic=True)
     policy = load_ppo_factory(path, DEPTHS)(DEPTHS)
+    if compiled:
+        if not JIT_ENABLED:
+            pytest.skip("numba is not installed or disabled")
+        assert policy._mlp._compiled is not None
+    else:
+        policy._mlp._compiled = None  # the numpy path a core install (no numba) serves with
     dummy = Step("i", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1)
     got = np.array([policy.act(o, dummy) for o in obs])
     assert len(set(expected.tolist())) > 2, "the test network should use several actions"
@@ -254,3 +270,12 @@ def test_meta_json_round_trip():
     assert PPOMeta.from_json(meta.to_json()) == meta
     with pytest.raises(PolicyLoadError, match="malformed"):
         PPOMeta.from_json('{"format": 1}')
+
+
+def test_the_compiled_tanh_stays_within_5e_7_of_the_exact_one():
+    x = np.linspace(-12.0, 12.0, 24_001, dtype=np.float32)
+    x = np.concatenate([x, np.float32([0.0, -0.0, 1e-30, -1e-30, 1e-4, 88.0, -88.0])])
+    ours = np.array([tanh32(v) for v in x], dtype=np.float64)
+    exact = np.tanh(x.astype(np.float64))
+    assert np.abs(ours - exact).max() < 5e-7
+    assert tanh32(np.float32(0.0)) == 0.0 and np.all(np.abs(ours) <= 1.0)
