@@ -457,33 +457,23 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         t4 = time.perf_counter_ns()
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             parts[key].append(dt)
-    # Reference, not what is served: the same weights without the bias fold (a separate add
-    # per layer, as act() ran before), timed in the same run; skipped if the internals differ.
+    # Reference, timed in the same run: the numpy path a server without numba uses (the
+    # same weights and actions); skipped if the internals differ.
     mlp = getattr(policy, "_mlp", None)
-    layers = getattr(mlp, "_layers", None)
-    if layers is not None and len(layers) == 3:
-        (w1, b1), (w2, b2), (w3, b3) = layers
-        h1, h2, o = (
-            np.empty(w1.shape[1], np.float32),
-            np.empty(w2.shape[1], np.float32),
-            np.empty(w3.shape[1], np.float32),
-        )
-        ref = []
-        for st in steps:
-            x = feat.update(st)
-            t0 = time.perf_counter_ns()
-            np.dot(x, w1, out=h1)
-            np.add(h1, b1, out=h1)
-            np.tanh(h1, out=h1)
-            np.dot(h1, w2, out=h2)
-            np.add(h2, b2, out=h2)
-            np.tanh(h2, out=h2)
-            np.dot(h2, w3, out=o)
-            np.add(o, b3, out=o)
-            a = int(o.argmax())
-            ref.append(time.perf_counter_ns() - t0)
-            assert a == policy.act(x, st)
-        parts["reference: the MLP without the bias fold"] = ref
+    if getattr(mlp, "_compiled", None) is not None:
+        compiled, ref = mlp._compiled, []  # type: ignore[union-attr]
+        try:
+            for st in steps:
+                x = feat.update(st)
+                mlp._compiled = None  # type: ignore[union-attr]
+                t0 = time.perf_counter_ns()
+                a = mlp.act(x)  # type: ignore[union-attr]
+                ref.append(time.perf_counter_ns() - t0)
+                mlp._compiled = compiled  # type: ignore[union-attr]
+                assert a == mlp.act(x)  # type: ignore[union-attr]
+        finally:
+            mlp._compiled = compiled  # type: ignore[union-attr]
+        parts["reference: the MLP in numpy (no numba)"] = ref
     skip = n // 10
     return {k: (pct(v[skip:], 50), pct(v[skip:], 99)) for k, v in parts.items()}
 
