@@ -212,10 +212,12 @@ class ControlledParams:
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         """Feed SGLang's policy; let it switch the runtime state only while it is in charge."""
         new_step = self._inner.on_verify_complete(num_correct_drafts_per_req, batch_size)
-        # SGLang's own update above is not the hook's cost; the check below is.
+        # SGLang's own update above is not the hook's cost; what follows is.
         prof = self._profiler
         t0 = prof.start() if prof is not None else None
         try:
+            if new_step is None:  # most steps: SGLang wants no switch, so there is nothing to veto
+                return None
             state = self._state
             if state.applied is not None and state.applied in state.valid:  # type: ignore[operator]
                 return None
