@@ -1,8 +1,9 @@
-"""Per-decision cost of the served PPO policy: numpy MLP vs SB3 ``predict``, side by side.
+"""Per-decision cost of the served PPO policy: its MLP (numba, and numpy) vs SB3 ``predict``.
 
 Usage: ``python bench/bench_policy.py [PPO_ZIP]`` (default: the bundled policy, or a freshly
-initialised 2×64 tanh policy when none is bundled). Prints one table; the ratio is measured
-in this one run, on the same observations.
+initialised 2×64 tanh policy when none is bundled). Prints one table; the ratios are measured
+in this one run, on the same observations. The numba row is what ``controller serve`` runs
+where numba is installed (the ``serve`` extra); the numpy row, what it runs without.
 """
 
 from __future__ import annotations
@@ -61,16 +62,24 @@ def main() -> None:
                 fn(o)
             return (time.perf_counter() - t0) / N * 1e6
 
-        numpy_us = timed(lambda o: policy.act(o, step))
+        mlp = policy._mlp
+        compiled = mlp._compiled
+        rows: list[tuple[str, float, float]] = []
         predict_us = timed(lambda o: model.predict(o, deterministic=True))
-        agree = np.mean(
-            [policy.act(o, step) == int(model.predict(o, deterministic=True)[0]) for o in obs[:1000]]
-        )
+        expected = [int(model.predict(o, deterministic=True)[0]) for o in obs[:1000]]
+        for label, weights in (("numba MLP", compiled), ("numpy MLP", None)):
+            if label.startswith("numba") and compiled is None:
+                continue  # numba not installed or disabled
+            mlp._compiled = weights
+            us = timed(lambda o: policy.act(o, step))
+            agree = float(np.mean([policy.act(o, step) == e for o, e in zip(obs, expected)]))
+            rows.append((label, us, agree))
+        mlp._compiled = compiled
     print(f"policy: {path}")
-    print(f"{'method':<22}{'µs/decision':>12}")
-    print(f"{'numpy MLP (served)':<22}{numpy_us:>12.1f}")
+    print(f"{'method':<22}{'µs/decision':>12}{'vs predict':>12}  agreement with predict (1000 obs)")
+    for label, us, agree in rows:
+        print(f"{label:<22}{us:>12.1f}{predict_us / us:>11.1f}×  {agree:.3f}")
     print(f"{'SB3 predict':<22}{predict_us:>12.1f}")
-    print(f"{'speed-up':<22}{predict_us / numpy_us:>11.1f}×   (agreement on 1000 obs: {agree:.3f})")
 
 
 if __name__ == "__main__":
