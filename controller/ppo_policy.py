@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ META_NAME: Final = "specdepth.json"
 META_FORMAT: Final = 1
 ACTIVATIONS: Final = ("tanh", "relu")
 MAX_ZIP_MEMBER_BYTES: Final = 64 * 1024 * 1024  # a 2×64 policy is ~50 KB; refuse zip bombs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -207,10 +210,17 @@ class MLP:
         # (one compiled call instead of ~6 numpy calls of ~1 µs each).
         self._compiled: tuple[np.ndarray, ...] | None = None
         if JIT_ENABLED:
-            self._compiled = tuple(
+            compiled = tuple(
                 np.ascontiguousarray(np.hstack([w, b[:, None]]), dtype=np.float32) for w, b in weights
             )
-            _mlp_argmax(np.zeros(self._layers[0][0].shape[0], np.float32), self._compiled, self._relu)
+            try:  # compile now (or load numba's cache), not on the first decision
+                _mlp_argmax(np.zeros(self._layers[0][0].shape[0], np.float32), compiled, self._relu)
+            except Exception as exc:  # a numba that cannot build it: the numpy path picks the same actions
+                log.warning(
+                    "cannot compile the policy MLP (%s: %s); serving it with numpy", type(exc).__name__, exc
+                )
+            else:
+                self._compiled = compiled
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Action logits for one observation (1-D) or a batch (2-D)."""

@@ -279,3 +279,23 @@ def test_the_compiled_tanh_stays_within_5e_7_of_the_exact_one():
     exact = np.tanh(x.astype(np.float64))
     assert np.abs(ours - exact).max() < 5e-7
     assert tanh32(np.float32(0.0)) == 0.0 and np.all(np.abs(ours) <= 1.0)
+
+
+def test_a_policy_numba_cannot_compile_is_served_with_numpy(tmp_path, monkeypatch, caplog):
+    import controller.ppo_policy as ppo_policy
+
+    if not JIT_ENABLED:
+        pytest.skip("numba is not installed or disabled")
+    model, path = _save_model(tmp_path)
+
+    def broken(*args):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(ppo_policy, "_mlp_argmax", broken)
+    policy = load_ppo_factory(path, DEPTHS)(DEPTHS)
+    assert policy._mlp._compiled is None
+    assert "serving it with numpy" in caplog.text
+    obs = _observations(n=200)
+    expected, _ = model.predict(obs, deterministic=True)
+    dummy = Step("i", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1)
+    assert [policy.act(o, dummy) for o in obs] == expected.tolist()
