@@ -78,12 +78,20 @@ PROFILE_KEYS = (
     # function call or loop jump after that), so the hook's first call after SGLang's own
     # allocations can host a collection whose work is SGLang's young objects.
     "gc_ns",
+    # The longest single window of the record and its site, an index into _SITES (0 the
+    # record, 2 an iteration top, 3 the wrapper): tells a tail made of one slow window
+    # (something else ran on the core) from one made of many cold ones.
+    "max_window_ns",
+    "max_window_site",
     # Per scheduler iteration instead of per decode record (lists of their own length): the
     # hook's wall time from one iteration top to the next, for iterations that processed a
     # batch result (decode or prefill), and whether that result was a decode.
     "iter_ns",
     "iter_decode",
 )
+
+
+_SITES = ("rec", "send", "poll", "wrap")  # the profiler's call sites, as max_window_site numbers
 
 
 class HookRuntime:
@@ -126,8 +134,10 @@ class HookRuntime:
         self.pending_wall_ns = 0
         self.pending_cpu_ns = 0
         self.pending_polls = 0
-        self.pending_site_ns = {"rec": 0, "send": 0, "poll": 0, "wrap": 0}
+        self.pending_site_ns = dict.fromkeys(_SITES, 0)
         self.pending_gc_ns = 0
+        self.pending_max_ns = 0
+        self.pending_max_site = ""
         self.pending_iter_ns = 0  # this scheduler iteration's hook time so far
         self.iter_result = 0  # 0: no batch result yet this iteration, 1: a prefill's, 2: a decode's
         self._gc_ns = 0  # wall ns inside collections, all of them, since start
@@ -362,6 +372,7 @@ class HookRuntime:
     def on_idle(self) -> None:
         self.prev_decode_ns = None
         self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = self.pending_gc_ns = 0
+        self.pending_max_ns = 0
         for site in self.pending_site_ns:
             self.pending_site_ns[site] = 0
 
@@ -381,6 +392,8 @@ class HookRuntime:
         self.pending_cpu_ns += cpu
         self.pending_site_ns[site] += wall
         self.pending_gc_ns += self._gc_ns - t0[2]
+        if wall > self.pending_max_ns:
+            self.pending_max_ns, self.pending_max_site = wall, site
         return cpu
 
     def close_iteration(self) -> None:
@@ -421,6 +434,9 @@ class HookRuntime:
         prof["lag_ns"].append(client.last_lag_ns if client is not None else 0)
         prof["gc_ns"].append(self.pending_gc_ns)
         self.pending_gc_ns = 0
+        prof["max_window_ns"].append(self.pending_max_ns)
+        prof["max_window_site"].append(_SITES.index(self.pending_max_site) if self.pending_max_ns else -1)
+        self.pending_max_ns = 0
         if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
             self.flush_profile()
 

@@ -619,3 +619,49 @@ def test_the_profiler_times_the_wrappers_own_work_not_sglangs() -> None:
     assert params.on_verify_complete([1, 2, 0, 3], 4) == 3
     assert len(prof.walls) == 4
     assert max(prof.walls) < 10_000_000, "SGLang's 20 ms update was counted as the hook's"
+
+
+def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPECDEPTH_PROFILE_OUT: per record, the hook's windows summed, split by site, and the longest one."""
+    import gc
+
+    from controller.client import InlineClient
+
+    out = tmp_path / "prof.jsonl"
+    monkeypatch.setenv(plugin.ENV_PROFILE_OUT, str(out))
+    rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
+    assert rt.profiler is rt
+    rt.instance, rt.hello_depths = "i", DEPTHS
+    inner = RecordingClient()
+    rt.client = InlineClient(inner, build=rt.build_step)  # type: ignore[arg-type]
+    plugin.reset_runtime(rt)
+    scheduler = fake_scheduler()
+    try:
+        for k in range(5):
+            plugin.broadcast_hook(lambda receiver, reqs: reqs, RECEIVER, [])  # an iteration top
+            if k == 2:  # a prefill iteration in between: its top and record go to the next decode
+                fake_prefill(rt, scheduler, 16)
+                plugin.broadcast_hook(lambda receiver, reqs: reqs, RECEIVER, [])
+            fake_decode(rt, scheduler, [10, 20], depth=3, accept=[1, 2])
+        rt.flush_profile()
+    finally:
+        plugin.reset_runtime(None)
+        gc.callbacks.remove(rt._on_gc)  # the profiler's GC timer, which it installed
+    prof: dict[str, list[int]] = {}
+    for line in out.read_text().splitlines():
+        for key, values in json.loads(line).items():
+            if key != "counters":
+                prof.setdefault(key, []).extend(values)
+    assert len(inner.sent) == 5
+    per_record = [k for k in plugin.PROFILE_KEYS if k not in ("iter_ns", "iter_decode")]
+    assert all(len(prof[k]) == 5 for k in per_record), {k: len(prof[k]) for k in per_record}
+    assert prof["polls"] == [1, 1, 2, 1, 1]
+    for i in range(5):
+        sites = prof["rec_ns"][i] + prof["poll_ns"][i] + prof["wrap_ns"][i]
+        assert prof["hook_ns"][i] == sites  # the send is timed inside the record's window
+        assert 0 < prof["max_window_ns"][i] <= prof["hook_ns"][i]
+        assert plugin._SITES[prof["max_window_site"][i]] in ("rec", "poll")
+    assert len(prof["iter_ns"]) == 5  # iterations that processed a batch: 5 decodes, 1 prefill, less the last
+    assert prof["iter_decode"][:3] == [1, 1, 0]

@@ -259,6 +259,9 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                     # Per scheduler iteration that processed a batch result (from call 15).
                     "per_iteration": _p50_p99(pct, [x / 1000 for x in prof.get("iter_ns", [])]),
                     "iterations": len(prof.get("iter_ns", [])),
+                    # The top 1% of steps: the longest single window's share of their hook time,
+                    # and its site (from call 19): one slow window, or many cold ones?
+                    "tail_window": _tail_window(wall, prof),
                     "gc_steps": sum(1 for g in prof.get("gc_ns", []) if g > 0) if prof.get("gc_ns") else None,
                     "no_gc": _p50_p99(pct, [w - g / 1000 for w, g in zip(wall, prof["gc_ns"], strict=True)])
                     if prof.get("gc_ns")
@@ -295,8 +298,9 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
     lines += ["", "### the hook's wall time per decode step: its tail", "",
               "| call | level | p50 / p99 µs at bs 1 / 4 / 16 / 64 | steps of one scheduler iteration p50 / p99 |"
               " steps with a GC in the hook's windows | p50 / p99 without the GC's time |"
-              " per scheduler iteration with a batch result (decode or prefill): n, p50 / p99 |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+              " per scheduler iteration with a batch result (decode or prefill): n, p50 / p99 |"
+              " top 1% of steps: the longest window's share, its site (record / top / wrapper) |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         by_bs = " · ".join(
             f"{r['wall_by_bs_us'][bs][0]:.1f} / {r['wall_by_bs_us'][bs][1]:.1f}"
@@ -309,10 +313,24 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
         no_gc = "–" if r["no_gc"] is None else f"{r['no_gc'][0]:.1f} / {r['no_gc'][1]:.1f}"
         it = r["per_iteration"]
         per_it = f"{r['iterations']}, {it[0]:.1f} / {it[1]:.1f}" if r["iterations"] else "–"
+        tw = r["tail_window"]
+        tail = "–" if tw is None else f"{tw[0]:.0%}, {tw[1]} / {tw[2]} / {tw[3]}"
         lines.append(
-            f"| {r['call']} | {r['level']} | {by_bs} | {one[0]:.1f} / {one[1]:.1f} | {gc_steps} | {no_gc} | {per_it} |"
+            f"| {r['call']} | {r['level']} | {by_bs} | {one[0]:.1f} / {one[1]:.1f} | {gc_steps} | {no_gc} | {per_it} | {tail} |"
         )
     return lines + [""], rows
+
+
+def _tail_window(wall: list[float], prof: dict[str, list[int]]) -> tuple[float, int, int, int] | None:
+    """Over the top 1% of steps by hook time: the mean share of the longest window, and how
+    many of those windows were the record's, an iteration top's, the wrapper's."""
+    longest, site = prof.get("max_window_ns"), prof.get("max_window_site")
+    if not longest or not site:
+        return None
+    cut = sorted(wall)[min(len(wall) - 1, int(0.99 * len(wall)))]
+    top = [i for i, w in enumerate(wall) if w >= cut and w > 0]
+    share = sum(longest[i] / 1000 / wall[i] for i in top) / len(top)
+    return (share, *(sum(1 for i in top if site[i] == k) for k in (0, 2, 3)))  # _SITES' indices
 
 
 def _p50_p99(pct: Any, values: list[float]) -> tuple[float, float]:
