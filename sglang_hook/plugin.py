@@ -371,10 +371,7 @@ class HookRuntime:
 
     def on_idle(self) -> None:
         self.prev_decode_ns = None
-        self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = self.pending_gc_ns = 0
-        self.pending_max_ns = 0
-        for site in self.pending_site_ns:
-            self.pending_site_ns[site] = 0
+        self._clear_pending()
 
     # Benchmark profiler (only when $SPECDEPTH_PROFILE_OUT is set; otherwise nothing is timed).
     # The CPU clock is a syscall, the wall clock is not (vDSO): each wall window opens after and
@@ -420,11 +417,8 @@ class HookRuntime:
         t0 = time.thread_time_ns()
         sum(range(200))
         prof["ref_cpu_ns"].append(time.thread_time_ns() - t0)
-        self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = 0
-        sites = self.pending_site_ns
-        for site in sites:
-            prof[site + "_ns"].append(sites[site])
-            sites[site] = 0
+        for site, ns in self.pending_site_ns.items():
+            prof[site + "_ns"].append(ns)
         prof["step_us"].append(self.last_step_us)
         prof["bs"].append(self.last_bs)
         client = self.client
@@ -433,12 +427,18 @@ class HookRuntime:
         self._sender_cpu_seen = busy
         prof["lag_ns"].append(client.last_lag_ns if client is not None else 0)
         prof["gc_ns"].append(self.pending_gc_ns)
-        self.pending_gc_ns = 0
         prof["max_window_ns"].append(self.pending_max_ns)
         prof["max_window_site"].append(_SITES.index(self.pending_max_site) if self.pending_max_ns else -1)
-        self.pending_max_ns = 0
+        self._clear_pending()
         if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
             self.flush_profile()
+
+    def _clear_pending(self) -> None:
+        """Start the next record's sums (after a record, or when the scheduler goes idle)."""
+        self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = self.pending_gc_ns = 0
+        self.pending_max_ns = 0
+        for site in self.pending_site_ns:
+            self.pending_site_ns[site] = 0
 
     def flush_profile(self) -> None:
         """Benchmark only: append the buffered per-step costs as one JSON line to ``$SPECDEPTH_PROFILE_OUT``."""

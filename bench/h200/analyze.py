@@ -261,7 +261,7 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                     "iterations": len(prof.get("iter_ns", [])),
                     # The top 1% of steps: the longest single window's share of their hook time,
                     # and its site (from call 19): one slow window, or many cold ones?
-                    "tail_window": _tail_window(wall, prof),
+                    "tail_window": _tail_window(pct, wall, prof),
                     "gc_steps": sum(1 for g in prof.get("gc_ns", []) if g > 0) if prof.get("gc_ns") else None,
                     "no_gc": _p50_p99(pct, [w - g / 1000 for w, g in zip(wall, prof["gc_ns"], strict=True)])
                     if prof.get("gc_ns")
@@ -321,13 +321,15 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
     return lines + [""], rows
 
 
-def _tail_window(wall: list[float], prof: dict[str, list[int]]) -> tuple[float, int, int, int] | None:
+def _tail_window(
+    pct: Any, wall: list[float], prof: dict[str, list[int]]
+) -> tuple[float, int, int, int] | None:
     """Over the top 1% of steps by hook time: the mean share of the longest window, and how
     many of those windows were the record's, an iteration top's, the wrapper's."""
     longest, site = prof.get("max_window_ns"), prof.get("max_window_site")
     if not longest or not site:
         return None
-    cut = sorted(wall)[min(len(wall) - 1, int(0.99 * len(wall)))]
+    cut = pct(wall, 0.99)
     top = [i for i, w in enumerate(wall) if w >= cut and w > 0]
     share = sum(longest[i] / 1000 / wall[i] for i in top) / len(top)
     return (share, *(sum(1 for i in top if site[i] == k) for k in (0, 2, 3)))  # _SITES' indices
