@@ -184,9 +184,7 @@ def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float,
     import re
 
     import numpy as np
-    import torch
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from test_hook_actuator import RECEIVER, fake_scheduler  # the tests' SGLang fakes
+    from test_hook_actuator import RECEIVER, fake_decode_batch, fake_scheduler  # the tests' SGLang fakes
 
     from controller.client import ClientThread, ControllerClient
     from controller.protocol import Hello
@@ -202,13 +200,7 @@ def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float,
     )
     plugin.reset_runtime(rt)
     scheduler = fake_scheduler()
-    batch = SimpleNamespace(
-        reqs=[object()] * bs,
-        forward_mode=ForwardMode.DECODE,
-        seq_lens_sum=None,
-        seq_lens_cpu=torch.arange(bs),
-        launch_ts=None,
-    )
+    batch = fake_decode_batch(list(range(bs)))
     results = [
         SimpleNamespace(speculative_num_draft_tokens=4, num_correct_drafts_per_req_cpu=[1] * bs)
         for _ in range(4)

@@ -48,19 +48,23 @@ def fake_decode(
     accept: list[int] | None = None,
 ) -> None:
     """One decode step through the hook's real record path, with SGLang's batch and result faked."""
+    width = depth + 1 if depth else None  # SGLang leaves it None without speculation
+    result = SimpleNamespace(speculative_num_draft_tokens=width, num_correct_drafts_per_req_cpu=accept)
+    rt.after_batch_result(scheduler, fake_decode_batch(seq_lens), result)
+
+
+def fake_decode_batch(seq_lens: list[int]) -> Any:
+    """The attributes of SGLang's ``ScheduleBatch`` that a decode step's record reads."""
     import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    batch = SimpleNamespace(
+    return SimpleNamespace(
         reqs=[object()] * len(seq_lens),
         forward_mode=ForwardMode.DECODE,
         seq_lens_sum=None,
         seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
         launch_ts=None,
     )
-    width = depth + 1 if depth else None  # SGLang leaves it None without speculation
-    result = SimpleNamespace(speculative_num_draft_tokens=width, num_correct_drafts_per_req_cpu=accept)
-    rt.after_batch_result(scheduler, batch, result)
 
 
 def fake_prefill(rt: plugin.HookRuntime, scheduler: Any, tokens: int) -> None:
