@@ -507,7 +507,8 @@ def main() -> int:
     quiet = quiet_cores(cores, 2 if len(cores) >= 4 else 1)
     server_cores = {quiet[0]} if len(cores) > 1 else None
     # The load generator stays off the server's physical cores (their SMT siblings too).
-    busy = set().union(*(siblings(c) for c in quiet))
+    own = set().union(*map(siblings, quiet))  # the server's CPUs and their SMT siblings
+    busy = set(own)
     if len(quiet) >= 2:  # and off the comparison placement's CPUs 0 and 1 (below)
         busy |= siblings(cores[0]) | siblings(cores[1])
     driver_cores = (set(cores) - busy or set(cores) - set(quiet)) if len(cores) > 1 else set(cores)
@@ -519,7 +520,7 @@ def main() -> int:
         flush=True,
     )
     print(
-        f"# policy {policy} (depths {list(DEPTHS)}); server on CPUs {sorted(quiet)} (their SMT siblings: {sorted(set().union(*map(siblings, quiet)) - set(quiet)) or 'none'}), load on CPUs {sorted(driver_cores)}",
+        f"# policy {policy} (depths {list(DEPTHS)}); server on CPUs {sorted(quiet)} (their SMT siblings: {sorted(own - set(quiet)) or 'none'}), load on CPUs {sorted(driver_cores)}",
         flush=True,
     )
 
