@@ -411,8 +411,9 @@ def bench_client_thread(
     seen = thread.decisions
     busy0 = thread.busy_cpu_ns
     for st in steps[i : i + n]:
+        decisions = thread.decisions  # not the hook's: only to count answers
         t0 = time.perf_counter_ns()
-        decisions, depth = thread.decisions, thread.depth
+        depth = thread.fresh_depth  # the hook reads this one attribute
         thread.submit(st)
         t1 = time.perf_counter_ns()
         both.append(t1 - t0)

@@ -49,7 +49,10 @@ class ControllerClient:
         endpoint: the controller's ROUTER endpoint, e.g. ``ipc:///tmp/spec-controller.sock``.
         hello: who this instance is and which depths it allows; sent on connect and re-sent
             whenever the controller does not know the instance.
-        stale_ms: a decision older than this is not used (``poll_decision`` returns None).
+        stale_ms: once a step has gone this long without a decision back, the newest decision
+            is no longer used (``poll_decision`` and :meth:`fresh_depth` return None) until
+            decisions flow again. Decisions answer steps, so an instance that sends nothing
+            (an idle server) keeps its decision however old it is.
         sndhwm: messages queued towards the controller before new steps are dropped.
         context: a ZeroMQ context to use; by default the client makes (and closes) its own.
         curve_server_key: the controller's Z85 CURVE public key, when it serves with
@@ -114,6 +117,7 @@ class ControllerClient:
         self._closed = False
         self._depth: int | None = None
         self._decision_ns = 0  # monotonic ns of the newest valid decision
+        self._unanswered_ns: int | None = None  # monotonic ns of the oldest step since that decision
         self._last_sent_ns = 0
         self._last_hello_ns = 0
         self.policy = ""
@@ -151,6 +155,8 @@ class ControllerClient:
         if self._closed:
             return
         now = time.monotonic_ns()
+        if self._unanswered_ns is None:  # counted whether or not it can be queued: a controller
+            self._unanswered_ns = now  # that is down answers nothing either
         # Safeguard beside unknown_instance: steps flowed for stale_ms with no decision back,
         # so the controller may have lost us; a repeated hello is harmless (it restarts the
         # instance's session there).
@@ -188,9 +194,8 @@ class ControllerClient:
     def poll_decision(self) -> int | None:
         """Read every pending reply; return the depth to use now, or None.
 
-        The newest valid decision wins. It is returned while it is younger than ``stale_ms``;
-        after that (controller gone or silent) the answer is None until decisions flow again.
-        Never blocks, never raises.
+        The newest valid decision wins, as long as it is fresh (:meth:`fresh_depth`). Never
+        blocks, never raises.
         """
         if self._closed:
             return None
@@ -203,8 +208,23 @@ class ControllerClient:
                 self._handle(sock.recv(_NOBLOCK))
         except zmq.ZMQError:  # the socket became unusable: behave as if nothing came
             pass
-        if self._depth is None or time.monotonic_ns() - self._decision_ns > self.stale_ns:
+        return self.fresh_depth()
+
+    def fresh_depth(self, now_ns: int | None = None) -> int | None:
+        """The newest valid decision's depth while it is fresh, else None (replies are not read).
+
+        Stale means: a step was sent (or dropped) more than ``stale_ms`` ago and no decision
+        came back since. So a dead or stuck controller is noticed ``stale_ms`` after the first
+        step it left unanswered, while an instance that sends no steps keeps its decision.
+        """
+        if self._closed:
             return None
+        since = self._unanswered_ns
+        if since is not None:
+            if now_ns is None:
+                now_ns = time.monotonic_ns()
+            if now_ns - since > self.stale_ns:
+                return None
         return self._depth
 
     def _handle(self, frame: bytes) -> None:
@@ -217,6 +237,7 @@ class ControllerClient:
             if msg.depth in self.depths and msg.instance == self.instance:
                 self._depth = msg.depth
                 self._decision_ns = time.monotonic_ns()
+                self._unanswered_ns = None
                 self.counters["decisions"] += 1
             else:
                 self.counters["invalid"] += 1
@@ -324,8 +345,11 @@ class ClientThread:
             (:attr:`last_lag_ns`), for the benchmark.
 
     Attributes:
-        depth: the newest valid decision's depth (None before the first); the caller applies
-            its own staleness rule (``decisions`` tells it when a new one came).
+        fresh_depth: the depth to apply now: the client's :meth:`ControllerClient.fresh_depth`,
+            judged by the sender thread after each of its looks at the queue (every
+            ``tick_ms`` while records flow, every ``idle_poll_ms`` when parked), so the caller
+            reads one attribute. None after :meth:`close`.
+        depth: the newest valid decision's depth, fresh or not (None before the first).
         decisions: valid decisions received so far.
         dropped: records dropped because the queue was full (the sender thread fell behind).
         errors: exceptions caught on the sender thread (each logged once per kind).
@@ -353,6 +377,7 @@ class ClientThread:
         self._tick_ms = tick_ms
         self._park_after = park_after
         self._parked = True  # the thread waits for submit() to wake it
+        self.fresh_depth: int | None = None
         self.depth: int | None = None
         self.decisions = 0
         self.dropped = 0
@@ -414,6 +439,7 @@ class ClientThread:
                     client.poll_decision()
                     self.depth = client.depth
                     self.decisions = client.counters["decisions"]
+                self.fresh_depth = client.fresh_depth()
                 if tick:
                     empty = 0 if sent else empty + 1
                     if empty >= self._park_after:  # records stopped: wait for submit() to wake us
@@ -434,7 +460,7 @@ class ClientThread:
     """:meth:`refresh` does nothing here (a caller on a hot path may skip the call)."""
 
     def refresh(self) -> None:
-        """Nothing to do: the sender thread keeps :attr:`depth` and :attr:`decisions` current."""
+        """Nothing to do: the sender thread keeps :attr:`fresh_depth` and the rest current."""
 
     @property
     def counters(self) -> dict[str, int]:
@@ -444,6 +470,7 @@ class ClientThread:
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop the sender thread, then close the client. Idempotent."""
         self._stop = True
+        self.fresh_depth = None
         if self._wake.locked():
             try:
                 self._wake.release()
@@ -464,17 +491,26 @@ class InlineClient:
     """:class:`ClientThread`'s interface on the caller's own thread (no extra thread).
 
     :meth:`submit` drains the replies, then sends the record: one visit to the socket per
-    record, on the caller's thread; :meth:`refresh` drains without sending (the hook calls it
-    when no record went out for a while). Nothing else in the process competes with the
-    caller for the GIL, which on a CPU-bound scheduler costs less than the thread's hand-over
-    saves (``docs/hook.md`` "Cost").
+    record, on the caller's thread; :meth:`refresh` (the hook calls it at the top of every
+    scheduler iteration) drains only when the last drain is ``refresh_after_ns`` old, and
+    judges freshness every time. Nothing else in the process competes with the caller for
+    the GIL, which on a CPU-bound scheduler costs less than the thread's hand-over saves
+    (``docs/hook.md`` "Cost").
 
     Args:
         client: a connected client, used from the caller's thread only.
         build: as for :class:`ClientThread`, run on the caller's thread.
-        min_drain_ns: drain at most this often (0: at every call). Draining is most of a
-            visit's cost; where no decision is applied (a server without speculation) the
-            hook drains only now and then, for welcomes and errors.
+        min_drain_ns: drain at most this often (0: at every :meth:`submit`). Draining is most
+            of a visit's cost; where no decision is applied (a server without speculation)
+            the hook drains only now and then, for welcomes and errors.
+        refresh_after_ns: :meth:`refresh` drains only when the last drain is at least this
+            old (and ``min_drain_ns``): a fresher drain already read what could have come
+            back, so iterations right after a record skip the socket, while long prefills and
+            idle gaps still read the decisions that arrived meanwhile.
+
+    Attributes:
+        fresh_depth: the depth to apply now (:meth:`ControllerClient.fresh_depth`), as of the
+            last :meth:`submit` or :meth:`refresh`.
     """
 
     def __init__(
@@ -483,11 +519,14 @@ class InlineClient:
         *,
         build: Callable[[Any], Step] | None = None,
         min_drain_ns: int = 0,
+        refresh_after_ns: int = 0,
     ) -> None:
         self.client = client
         self._build = build
         self._min_drain_ns = min_drain_ns
+        self._refresh_after_ns = max(min_drain_ns, refresh_after_ns)
         self._drained_ns = 0
+        self.fresh_depth: int | None = None
         self.depth: int | None = None
         self.decisions = 0
         self.dropped = 0
@@ -500,29 +539,36 @@ class InlineClient:
 
         ``item`` is a :class:`Step`, or what ``build`` makes one from (as for :class:`ClientThread`).
         """
-        self.refresh()
+        now = time.monotonic_ns()
+        if now - self._drained_ns >= self._min_drain_ns:
+            self._drain(now)
         self.client.send_step(item if self._build is None else self._build(item))
 
     refresh_drains = True
-    """:meth:`refresh` visits the socket (the caller calls it when no record went out for a while)."""
+    """:meth:`refresh` has work to do: the caller calls it at every iteration top."""
 
     def refresh(self) -> None:
-        """Drain replies into the newest decision (a socket visit), unless it drained within ``min_drain_ns``."""
-        if self._min_drain_ns:
-            now = time.monotonic_ns()
-            if now - self._drained_ns < self._min_drain_ns:
-                return
-            self._drained_ns = now
+        """Judge :attr:`fresh_depth` now, draining replies first if the last drain is old enough."""
+        now = time.monotonic_ns()
+        if now - self._drained_ns >= self._refresh_after_ns:
+            self._drain(now)
+        else:
+            self.fresh_depth = self.client.fresh_depth(now)
+
+    def _drain(self, now: int) -> None:
+        self._drained_ns = now
         client = self.client
         client.poll_decision()
         self.depth = client.depth
         self.decisions = client.counters["decisions"]
+        self.fresh_depth = client.fresh_depth(now)
 
     @property
     def counters(self) -> dict[str, int]:
         return {**self.client.counters, "queue_dropped": 0, "thread_errors": 0}
 
     def close(self, timeout_s: float = 1.0) -> None:
+        self.fresh_depth = None
         self.client.close()
 
     def __enter__(self) -> InlineClient:

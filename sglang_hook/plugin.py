@@ -46,9 +46,9 @@ logger = logging.getLogger("sglang_hook")
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
 PROFILE_FLUSH_EVERY = 32
 # Without the client thread, the top of a scheduler iteration drains the controller's replies
-# only when the newest step record is older than this: a fresher one cannot have its decision
-# back, and sending it drained just before. Long prefills and idle gaps still drain (staleness
-# must see decisions that came in meanwhile).
+# only when the last drain (each record drains before it is sent) is older than this: a
+# fresher record cannot have its decision back yet. Long prefills and idle gaps still drain
+# (staleness must see decisions that came in meanwhile).
 POLL_AFTER_NS = 1_000_000
 # Without speculation no decision is ever applied: the inline client then drains the replies
 # (welcomes, errors that ask for a new hello) at most this often, and each record is one send.
@@ -112,12 +112,8 @@ class HookRuntime:
         )
         self.sync = TpSync(self.state, fallback_desc=fallback)
         self.client: Any = None
-        self._decisions_seen = 0
-        self._unanswered_since_ns: int | None = None
-        self._stale_ns = int(config.stale_ms * 1e6)
         self._client_failed = False
         self._sender_cpu_seen = 0
-        self._last_send_ns = 0  # monotonic ns of the newest step record handed to the client
         self._scheduler: Any = None
         self._decode_mode = compat.decode_mode()
         self.instance = ""
@@ -195,10 +191,13 @@ class HookRuntime:
                     client, build=self.build_step, tick_ms=tick, profile=self.profiler is not None
                 )
             else:
-                # Not longer than a quarter of stale_ms: the client's own staleness safeguard
-                # must see the decisions that came back.
-                drain_ns = 0 if spec_on else min(NO_SPEC_DRAIN_NS, self._stale_ns // 4)
-                self.client = InlineClient(client, build=self.build_step, min_drain_ns=drain_ns)
+                # Not longer than a quarter of stale_ms: the client's own safeguard (a hello
+                # after stale_ms without decisions) must see the decisions that came back.
+                stale_ns = int(self.config.stale_ms * 1e6)
+                drain_ns = 0 if spec_on else min(NO_SPEC_DRAIN_NS, stale_ns // 4)
+                self.client = InlineClient(
+                    client, build=self.build_step, min_drain_ns=drain_ns, refresh_after_ns=POLL_AFTER_NS
+                )
             logger.info(
                 "spec controller: instance %s -> %s (depths %s, stale %.0f ms, client thread %s (%s))",
                 self.instance,
@@ -220,11 +219,11 @@ class HookRuntime:
         ``receiver`` is SGLang's request receiver; its ``server_args`` are read only to start the
         client.
 
-        The depth to apply is the newest decision unless it is stale. Staleness runs only while
-        steps are outstanding: decisions answer steps, so an idle server (no steps) keeps its
-        last decision instead of flapping to the fallback, while a dead or stuck controller is
-        noticed ``stale_ms`` after the first unanswered step. ``sync.last_desired`` holds the
-        depth this found (``None``: fall back).
+        The depth to apply is the client's ``fresh_depth``: the newest decision unless a step
+        has gone unanswered for ``stale_ms`` (``ControllerClient.fresh_depth``; an idle server
+        keeps its last decision instead of flapping to the fallback). The client thread judges
+        that on its own thread, so here it is one attribute read; the inline client judges it
+        in ``refresh()``. ``sync.last_desired`` holds the depth this found (``None``: fall back).
 
         One frame on purpose: this runs on every scheduler iteration, after a GPU step has
         evicted the caches, where each call and attribute read costs a microsecond or more.
@@ -234,17 +233,9 @@ class HookRuntime:
             client = self._ensure_client(receiver.server_args)
         depth = None
         if client is not None:
-            now = time.monotonic_ns()
-            if client.refresh_drains and now - self._last_send_ns > POLL_AFTER_NS:
-                client.refresh()  # the inline client drains; the client thread keeps itself current
-            seen = client.decisions
-            if seen != self._decisions_seen:  # a decision came back: restart the staleness clock
-                self._decisions_seen = seen
-                self._unanswered_since_ns = None
-            depth = client.depth
-            since = self._unanswered_since_ns
-            if since is not None and now - since > self._stale_ns:
-                depth = None
+            if client.refresh_drains:
+                client.refresh()  # the inline client drains and judges; the thread keeps itself current
+            depth = client.fresh_depth
         sync = self.sync
         if sync.repeat_is_noop and depth == sync.last_desired:  # most iterations: nothing changed
             return None
@@ -321,10 +312,6 @@ class HookRuntime:
                     t1 = time.perf_counter_ns()
                     client.submit(captured)
                     self.pending_site_ns["send"] += time.perf_counter_ns() - t1
-                # Staleness counts from the first record left unanswered.
-                self._last_send_ns = now_ns
-                if self._unanswered_since_ns is None:
-                    self._unanswered_since_ns = now_ns
             if t0 is not None:
                 self._profile["record_cpu_ns"].append(self.stop(t0, "rec"))
                 self.iter_result = 2

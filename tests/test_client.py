@@ -107,19 +107,28 @@ def test_latest_valid_decision_wins_and_invalid_ones_are_counted(fake: tuple[Fak
         client.close()
 
 
-def test_decisions_go_stale_after_stale_ms(fake: tuple[FakeController, str]) -> None:
+def test_a_decision_goes_stale_once_a_step_waits_stale_ms_for_an_answer(
+    fake: tuple[FakeController, str],
+) -> None:
     ctl, endpoint = fake
     client = connected(endpoint, ctl, stale_ms=60)
     try:
         ctl.reply(decision(1, 3))
         assert wait_poll(client, 3) == 3
         time.sleep(0.1)
+        assert client.poll_decision() == 3  # idle: no step waits for an answer, the decision holds
+        client.send_step(make_step(1))
+        assert client.poll_decision() == 3  # just sent
+        time.sleep(0.1)
         assert client.poll_decision() is None  # the hook falls back to SGLang's own policy
-        assert client.depth == 3 and client.decision_age_ms is not None and client.decision_age_ms >= 60
+        assert client.fresh_depth() is None and client.depth == 3
         ctl.reply(decision(2, 1))
         assert wait_poll(client, 1) == 1  # and comes back as soon as decisions flow again
+        time.sleep(0.1)
+        assert client.fresh_depth() == 1  # the answer restarted the clock; nothing was sent since
     finally:
         client.close()
+    assert client.fresh_depth() is None  # closed
 
 
 def test_unknown_instance_makes_the_client_say_hello_again(fake: tuple[FakeController, str]) -> None:
@@ -296,6 +305,30 @@ def test_client_thread_delivers_decisions_in_order(fake: tuple[FakeController, s
                 time.sleep(0.001)
             assert (thread.decisions, thread.depth) == (seq, seq % 4)
         assert thread.dropped == thread.errors == 0
+
+
+def test_client_thread_judges_freshness_on_its_own_thread(fake: tuple[FakeController, str]) -> None:
+    """The caller reads ``fresh_depth``; the sender thread turns it to None when records go unanswered."""
+    ctl, endpoint = fake
+    thread = ClientThread(connected(endpoint, ctl, stale_ms=60), tick_ms=1)
+    try:
+        thread.submit(make_step(1))
+        assert ctl.recv()["seq"] == 1
+        ctl.reply(decision(1, 3))
+        deadline = time.monotonic() + 3
+        while thread.fresh_depth != 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert thread.fresh_depth == 3
+        t0, seq = time.monotonic(), 2
+        while thread.fresh_depth == 3 and time.monotonic() - t0 < 3:  # no more answers
+            thread.submit(make_step(seq))
+            seq += 1
+            time.sleep(0.005)
+        assert thread.fresh_depth is None and thread.depth == 3
+        assert 0.055 <= time.monotonic() - t0 < 1.0
+    finally:
+        thread.close()
+    assert thread.fresh_depth is None
 
 
 def test_submit_never_blocks_while_the_client_thread_is_stuck(

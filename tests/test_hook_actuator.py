@@ -210,14 +210,13 @@ class ScriptedClient:
     """
 
     refresh_drains = False
-    decisions = 0
 
     def __init__(self, script: list[int | None]) -> None:
         self.script = script
         self.i = 0
 
     @property
-    def depth(self) -> int | None:
+    def fresh_depth(self) -> int | None:
         value = self.script[self.i]
         self.i += 1
         return value
@@ -233,8 +232,10 @@ def test_broadcast_hook_survives_a_failing_poll() -> None:
     rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
 
     class Broken:
+        refresh_drains = False
+
         @property
-        def decisions(self) -> int:
+        def fresh_depth(self) -> int:
             raise RuntimeError("boom")
 
     rt.client = Broken()
@@ -463,13 +464,20 @@ def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
             self.counters["decisions"] += 1  # a decision came back each time
             return self.depth
 
+        def fresh_depth(self, now_ns: int | None = None) -> int | None:
+            return self.depth
+
         def send_step(self, step: Step) -> None:
             self.sends += 1
 
     rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
     rt.instance, rt.hello_depths = "i", (0,)
     inner = CountingClient()
-    rt.client = InlineClient(inner, build=rt.build_step)  # type: ignore[arg-type]
+    rt.client = InlineClient(  # as the hook makes it on a server that speculates
+        inner,  # type: ignore[arg-type]
+        build=rt.build_step,
+        refresh_after_ns=plugin.POLL_AFTER_NS,
+    )
     scheduler = fake_scheduler()
     for _ in range(3):
         fake_decode(rt, scheduler, [10])
@@ -492,6 +500,9 @@ class RecordingClient:
         self.sent.append(step)
 
     def poll_decision(self) -> int | None:
+        return None
+
+    def fresh_depth(self, now_ns: int | None = None) -> int | None:
         return None
 
     def wait(self, timeout_ms: int) -> bool:
