@@ -46,7 +46,7 @@ class HookConfig:
         depths: the allowed draft depths, strictly increasing, 0 = no speculation.
         fallback_depth: the depth used when no fresh decision exists; ``None`` delegates to
             SGLang's own adaptive policy.
-        stale_ms: a decision older than this is not used.
+        stale_ms: once a step has waited this long for its decision, fall back (until decisions flow again).
         instance: replica name sent in ``hello``; empty = derived from host and port.
         client_thread: the controller's socket on a thread of its own, so the scheduler
             thread only hands records over (~60 µs less on it per step on the H200 host, but
