@@ -70,7 +70,9 @@ class ActuatorState:
 
     Attributes:
         applied: the depth every rank applies now (``None`` = fallback). Written only by
-            :meth:`TpSync.take`, i.e. only from what came out of the broadcast.
+            :meth:`TpSync.take`, i.e. only from what came out of the broadcast. Invariant:
+            once ``valid`` is known, ``applied`` is ``None`` or one of ``valid``, so the
+            actuator's per-step calls need not check it again.
         valid: the depths SGLang built runtime states for; ``None`` until a params object is
             wrapped (e.g. a server without speculation).
     """
@@ -132,8 +134,16 @@ class TpSync:
         markers = [r for r in reqs if type(r) is DepthSync]
         if not markers:
             return reqs
-        self.state.applied = markers[-1].depth
-        self.state.counters.syncs_applied += len(markers)
+        state = self.state
+        depth = markers[-1].depth
+        valid = state.valid
+        if depth is not None and valid is not None and depth not in valid:
+            # The entry rank never sends one (offer() refuses it); a rank applies None rather
+            # than hand SGLang a depth it has no runtime state for.
+            state.counters.invalid_depth += 1
+            depth = None
+        state.applied = depth
+        state.counters.syncs_applied += len(markers)
         return [r for r in reqs if type(r) is not DepthSync]
 
 
@@ -161,6 +171,8 @@ class ControlledParams:
         self._profiler = profiler
         valid = frozenset(int(s) for s in inner.candidate_steps)
         state.valid = valid
+        if state.applied is not None and state.applied not in valid:  # taken before valid was known
+            state.applied = None
         if fallback_depth is not None and fallback_depth not in valid:
             log_once(
                 "fallback-invalid",
@@ -192,12 +204,10 @@ class ControlledParams:
         t0 = prof.start() if prof is not None else None
         try:
             state = self._state
-            depth = state.applied
-            if depth is not None and depth in state.valid:  # type: ignore[operator]
+            depth = state.applied  # None or a valid depth (ActuatorState's invariant)
+            if depth is not None:
                 state.counters.controller_steps += 1
                 return depth
-            if depth is not None:  # cannot happen unless a marker was forged; ranks still agree
-                state.counters.invalid_depth += 1
             state.counters.fallback_steps += 1
             if self._fallback is not None:
                 return self._fallback
@@ -218,8 +228,7 @@ class ControlledParams:
         try:
             if new_step is None:  # most steps: SGLang wants no switch, so there is nothing to veto
                 return None
-            state = self._state
-            if state.applied is not None and state.applied in state.valid:  # type: ignore[operator]
+            if self._state.applied is not None:
                 return None
             if self._fallback is not None:
                 return None

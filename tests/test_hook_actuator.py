@@ -193,10 +193,40 @@ def test_invalid_depth_is_ignored_and_counted(tmp_path: Path) -> None:
     assert launch(controller, sync, 3) == 3
 
 
+def test_a_marker_with_a_depth_sglang_did_not_build_is_applied_as_none(tmp_path: Path) -> None:
+    """A rank never hands SGLang a depth it has no runtime state for, whatever the broadcast carried."""
+    controller, worker, sync = make_controller(tmp_path)
+    assert launch(controller, sync, 5) == 5
+    assert sync.take(["req", DepthSync(depth=4, seq=99)]) == ["req"]  # not from offer(): forged
+    assert sync.state.applied is None and sync.state.counters.invalid_depth == 1
+    controller.activate_step_by_batch(4)
+    assert worker.speculative_num_steps == controller.params.inner.get_steps_for_batch(4)
+    assert sync.state.counters.fallback_steps == 1
+
+
+def test_a_depth_taken_before_the_runtime_states_were_known_is_checked_when_they_are(tmp_path: Path) -> None:
+    state = ActuatorState()
+    TpSync(state).take([DepthSync(depth=4, seq=1)])  # valid unknown yet: kept
+    assert state.applied == 4
+    cfg = tmp_path / "adaptive.json"
+    cfg.write_text(json.dumps({"1": {"candidate_steps": list(DEPTHS)}}))
+    controller = compat.new_adaptive_controller(MinimalAdaptiveWorker(3), str(cfg))
+    wrap_controller_params(controller, state, None)
+    assert state.valid == frozenset(DEPTHS) and state.applied is None
+
+
 def test_actuator_failure_falls_back_to_sglang(tmp_path: Path) -> None:
     controller, worker, sync = make_controller(tmp_path)
     launch(controller, sync, 5)
-    sync.state.valid = None  # corrupt the state: the wrapper's own logic now raises
+
+    class Corrupt:  # the wrapper's state, broken: reading the depth raises
+        counters = sync.state.counters
+
+        @property
+        def applied(self) -> int:
+            raise RuntimeError("corrupt")
+
+    controller.params._state = Corrupt()
     controller.activate_step_by_batch(4)
     assert worker.speculative_num_steps == controller.params.inner.get_steps_for_batch(4)
     assert sync.state.counters.hook_errors == 1
