@@ -22,7 +22,9 @@ Rows (every number measured in this run; ratios side by side, interleaved in blo
    i.e. ``poll(0)``). Between steps the caller holds the GIL for 200 µs (Python work) and
    then releases it for 800 µs (a GPU wait), as a scheduler does.
 
-Plus a breakdown of the in-controller path measured in-process (decode, Featurizer, MLP).
+Plus a breakdown of the in-controller path measured in-process on the server's CPU (decode,
+Featurizer, MLP), next to a fixed piece of pure Python (the hook profiler's reference), and
+the in-controller p50 in units of it: lent hosts differ by more than 1.6x in Python speed.
 Servers and the echo run as separate processes. Where the machine has the cores, the server
 runs on CPUs of physical cores of their own, away from CPU 0 (interrupts), and the load
 generator on other physical cores; one row repeats the in-controller timing on the first
@@ -431,6 +433,12 @@ def bench_client_thread(
     return {"both": both, "fresh": [fresh], "sender_cpu": [sender_cpu]}
 
 
+# A fixed piece of pure Python, the same as the hook profiler's: hosts lent for the benchmark
+# differ by more than 1.6x in how fast they run Python, so the in-controller time is also
+# printed in units of this, measured in the same run on the server's CPU.
+REFERENCE = "reference: pure Python, sum(range(200))"
+
+
 def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
     """In-process cost of the pieces of the in-controller path (µs p50, p99)."""
     from controller.policy import make_factory
@@ -445,6 +453,7 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         "featurize": [],
         "policy (MLP)": [],
         "encode decision": [],
+        REFERENCE: [],
     }
     for fr in frames:
         t0 = time.perf_counter_ns()
@@ -456,7 +465,9 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         t3 = time.perf_counter_ns()
         msgpack.packb({"t": "decision", "v": 1, "instance": st.instance, "seq": st.seq, "depth": DEPTHS[a]})
         t4 = time.perf_counter_ns()
-        for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        sum(range(200))  # the hook profiler's reference, interleaved with the path it scales
+        t5 = time.perf_counter_ns()
+        for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             parts[key].append(dt)
     # Reference, timed in the same run: the numpy path a server without numba uses (the
     # same weights and actions); skipped if the internals differ.
@@ -542,6 +553,7 @@ def main() -> int:
         if len(quiet) >= 2
         else []
     )
+    judged: list[tuple[str, float]] = []  # (layout, in-controller p50 µs)
     for i, (label, pinned) in enumerate(layouts + compare):
         ctl_ep, echo_ep = f"ipc://{tmp}/ctl{i}.sock", f"ipc://{tmp}/echo{i}.sock"
         lat_log = tmp / f"latency{i}.bin"
@@ -557,6 +569,7 @@ def main() -> int:
         if i >= len(layouts):  # the comparison: not what is judged
             rows.append((f"{label}: in-controller p50 / p99", f"{p50:.1f} / {p99:.1f} µs", "", ""))
             continue
+        judged.append((label, p50))
         rows.append((f"{label}:", "", "", ""))
         rows.append(
             ("  in-controller recv->decision, PPO MLP, p50", f"{p50:.1f} µs", "≤ 20 µs", _ok(p50 <= 20))
@@ -639,9 +652,16 @@ def main() -> int:
         )
     )
 
-    # Breakdown of the in-controller path, in-process.
-    for part, (q50, q99) in breakdown(Path(policy), int(10_000 * scale)).items():
+    # Breakdown of the in-controller path, in-process, on the server's CPU.
+    if server_cores:
+        pin(server_cores)
+    parts = breakdown(Path(policy), int(10_000 * scale))
+    pin(driver_cores)
+    for part, (q50, q99) in parts.items():
         rows.append((f"  in-process {part}, p50 / p99", f"{q50:.1f} / {q99:.1f} µs", "", ""))
+    ref50 = parts[REFERENCE][0]
+    for label, p50 in judged:
+        rows.append((f"  in-controller p50 in units of the reference, {label}", f"{p50 / ref50:.1f}", "", ""))
 
     width = max(len(r[0]) for r in rows)
     print(f"\n{'benchmark':<{width}}  {'measured':>22}  {'target':>11}  result")
