@@ -340,7 +340,8 @@ def test_tp_broadcast_applies_the_same_depth_on_every_rank_at_the_same_step(tmp_
     assert runs[0]["invalid"] == script.count(4)
 
 
-def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
+@pytest.mark.parametrize("client_thread", [True, False], ids=["client-thread", "inline"])
+def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path, client_thread: bool) -> None:
     """Real client, real controller service: idle keeps the decision, a dead controller does not."""
     import threading
     import time
@@ -355,7 +356,9 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
         thread.start()
         return server, thread
 
-    rt = plugin.HookRuntime(HookConfig(endpoint=endpoint, stale_ms=200.0), compat.Ranks())
+    rt = plugin.HookRuntime(
+        HookConfig(endpoint=endpoint, stale_ms=200.0, client_thread=client_thread), compat.Ranks()
+    )
     rt.state.valid = frozenset(DEPTHS)  # as if SGLang built runtime states for DEPTHS
     scheduler = fake_scheduler()
 
@@ -370,7 +373,8 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path) -> None:
 
     server, thread = serve()
     try:
-        assert rt._ensure_client(RECEIVER.server_args) is not None
+        client = rt._ensure_client(RECEIVER.server_args)
+        assert type(client).__name__ == ("ClientThread" if client_thread else "InlineClient")
         assert rt.hello_depths == DEPTHS
         assert step_until(2) == 2
         time.sleep(0.5)  # idle for longer than stale_ms: no steps, nothing to answer
