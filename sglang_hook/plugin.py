@@ -122,8 +122,6 @@ class HookRuntime:
         self.prev_decode_ns: int | None = None
         self.prefill_tokens = 0
         self.skipped_records = 0
-        self.last_step_us = 0
-        self.last_bs = 0
         # Benchmark only: the hook's own wall and thread-CPU time since the previous step record.
         self._profile_path = os.environ.get(ENV_PROFILE_OUT, "") if ranks.is_entry else ""
         self.profiler: HookRuntime | None = self if self._profile_path else None
@@ -308,7 +306,6 @@ class HookRuntime:
                 if prof is None:
                     client.submit(captured)
                 else:
-                    self.last_step_us, self.last_bs = step_us, bs
                     t1 = time.perf_counter_ns()
                     client.submit(captured)
                     self.pending_site_ns["send"] += time.perf_counter_ns() - t1
@@ -316,7 +313,7 @@ class HookRuntime:
                 self._profile["record_cpu_ns"].append(self.stop(t0, "rec"))
                 self.iter_result = 2
                 if bs:
-                    self._profile_step()
+                    self._profile_step(step_us, bs)
         elif batch.forward_mode.is_extend():
             n = getattr(batch, "extend_num_tokens", None)
             if type(n) is int and n > 0:
@@ -394,7 +391,7 @@ class HookRuntime:
         else:
             self._gc_ns += time.perf_counter_ns() - self._gc_t0
 
-    def _profile_step(self) -> None:
+    def _profile_step(self, step_us: int, bs: int) -> None:
         prof = self._profile
         prof["hook_ns"].append(self.pending_wall_ns)
         prof["hook_cpu_ns"].append(self.pending_cpu_ns)
@@ -406,8 +403,8 @@ class HookRuntime:
         prof["ref_cpu_ns"].append(time.thread_time_ns() - t0)
         for site, ns in self.pending_site_ns.items():
             prof[site + "_ns"].append(ns)
-        prof["step_us"].append(self.last_step_us)
-        prof["bs"].append(self.last_bs)
+        prof["step_us"].append(step_us)
+        prof["bs"].append(bs)
         client = self.client
         busy = client.busy_cpu_ns if client is not None else 0
         prof["sender_cpu_ns"].append(busy - self._sender_cpu_seen)

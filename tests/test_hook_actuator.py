@@ -707,6 +707,7 @@ def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_wind
     per_record = [k for k in plugin.PROFILE_KEYS if k not in ("iter_ns", "iter_decode")]
     assert all(len(prof[k]) == 5 for k in per_record), {k: len(prof[k]) for k in per_record}
     assert prof["polls"] == [1, 1, 2, 1, 1]
+    assert prof["bs"] == [2] * 5 and prof["step_us"] == [s.step_us for s in inner.sent]  # each record's own
     for i in range(5):
         sites = prof["rec_ns"][i] + prof["poll_ns"][i] + prof["wrap_ns"][i]
         assert prof["hook_ns"][i] == sites  # the send is timed inside the record's window
