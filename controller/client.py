@@ -436,10 +436,11 @@ class ClientThread:
                 if sent and not tick:
                     client.wait(self._reply_wait_ms)
                 if replied:  # a tick that saw no reply has nothing to drain
-                    client.poll_decision()
+                    self.fresh_depth = client.poll_decision()
                     self.depth = client.depth
                     self.decisions = client.counters["decisions"]
-                self.fresh_depth = client.fresh_depth()
+                else:  # nothing came, yet an unanswered step may have gone stale meanwhile
+                    self.fresh_depth = client.fresh_depth()
                 if tick:
                     empty = 0 if sent else empty + 1
                     if empty >= self._park_after:  # records stopped: wait for submit() to wake us
@@ -558,10 +559,9 @@ class InlineClient:
     def _drain(self, now: int) -> None:
         self._drained_ns = now
         client = self.client
-        client.poll_decision()
+        self.fresh_depth = client.poll_decision()  # judged as fresh_depth() would be, after the drain
         self.depth = client.depth
         self.decisions = client.counters["decisions"]
-        self.fresh_depth = client.fresh_depth(now)
 
     @property
     def counters(self) -> dict[str, int]:
