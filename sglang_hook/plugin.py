@@ -78,7 +78,7 @@ PROFILE_KEYS = (
     # function call or loop jump after that), so the hook's first call after SGLang's own
     # allocations can host a collection whose work is SGLang's young objects.
     "gc_ns",
-    # The longest single window of the record and its site, an index into _SITES (0 the
+    # The longest single window of the record and its site, an index into PROFILE_SITES (0 the
     # record, 2 an iteration top, 3 the wrapper): tells a tail made of one slow window
     # (something else ran on the core) from one made of many cold ones.
     "max_window_ns",
@@ -91,7 +91,7 @@ PROFILE_KEYS = (
 )
 
 
-_SITES = ("rec", "send", "poll", "wrap")  # the profiler's call sites, as max_window_site numbers
+PROFILE_SITES = ("rec", "send", "poll", "wrap")  # the profiler's call sites, as max_window_site numbers
 
 
 class HookRuntime:
@@ -128,7 +128,7 @@ class HookRuntime:
         self.pending_wall_ns = 0
         self.pending_cpu_ns = 0
         self.pending_polls = 0
-        self.pending_site_ns = dict.fromkeys(_SITES, 0)
+        self.pending_site_ns = dict.fromkeys(PROFILE_SITES, 0)
         self.pending_gc_ns = 0
         self.pending_max_ns = 0
         self.pending_max_site = ""
@@ -412,7 +412,9 @@ class HookRuntime:
         prof["lag_ns"].append(client.last_lag_ns if client is not None else 0)
         prof["gc_ns"].append(self.pending_gc_ns)
         prof["max_window_ns"].append(self.pending_max_ns)
-        prof["max_window_site"].append(_SITES.index(self.pending_max_site) if self.pending_max_ns else -1)
+        prof["max_window_site"].append(
+            PROFILE_SITES.index(self.pending_max_site) if self.pending_max_ns else -1
+        )
         self._clear_pending()
         if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
             self.flush_profile()

@@ -712,6 +712,6 @@ def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_wind
         sites = prof["rec_ns"][i] + prof["poll_ns"][i] + prof["wrap_ns"][i]
         assert prof["hook_ns"][i] == sites  # the send is timed inside the record's window
         assert 0 < prof["max_window_ns"][i] <= prof["hook_ns"][i]
-        assert plugin._SITES[prof["max_window_site"][i]] in ("rec", "poll")
+        assert plugin.PROFILE_SITES[prof["max_window_site"][i]] in ("rec", "poll")
     assert len(prof["iter_ns"]) == 5  # iterations that processed a batch: 5 decodes, 1 prefill, less the last
     assert prof["iter_decode"][:3] == [1, 1, 0]

@@ -326,13 +326,16 @@ def _tail_window(
 ) -> tuple[float, int, int, int] | None:
     """Over the top 1% of steps by hook time: the mean share of the longest window, and how
     many of those windows were the record's, an iteration top's, the wrapper's."""
+    from sglang_hook.plugin import PROFILE_SITES  # max_window_site is an index into it
+
     longest, site = prof.get("max_window_ns"), prof.get("max_window_site")
     if not longest or not site:
         return None
     cut = pct(wall, 0.99)
     top = [i for i, w in enumerate(wall) if w >= cut and w > 0]
     share = sum(longest[i] / 1000 / wall[i] for i in top) / len(top)
-    return (share, *(sum(1 for i in top if site[i] == k) for k in (0, 2, 3)))  # _SITES' indices
+    kinds = [PROFILE_SITES.index(name) for name in ("rec", "poll", "wrap")]
+    return (share, *(sum(1 for i in top if site[i] == k) for k in kinds))
 
 
 def _p50_p99(pct: Any, values: list[float]) -> tuple[float, float]:
