@@ -526,7 +526,9 @@ class InlineClient:
         self._build = build
         self._min_drain_ns = min_drain_ns
         self._refresh_after_ns = max(min_drain_ns, refresh_after_ns)
-        self._drained_ns = 0
+        # Never drained: the first submit or refresh drains. Not 0: the monotonic clock counts
+        # from boot, so on a host up for less than min_drain_ns, 0 would read as "just drained".
+        self._drained_ns = -(1 << 62)
         self.fresh_depth: int | None = None
         self.depth: int | None = None
         self.decisions = 0
