@@ -15,7 +15,9 @@ entry rank talks to the controller. It puts a :class:`DepthSync` marker into the
 that SGLang already broadcasts from TP rank 0 at the top of every scheduler iteration, and
 every rank — the entry rank included — applies exactly the marker it got out of that
 broadcast. The decision is sticky between markers, so a marker is only sent when it changes.
-Staleness is judged once, on the entry rank, so ranks cannot disagree about it either.
+Staleness is judged once, on the entry rank, so ranks cannot disagree about it either. A
+replica of one rank has nothing to broadcast to: it hands its marker straight to itself
+(:meth:`TpSync.apply_here`).
 
 Nothing here raises into SGLang: an exception is logged once and SGLang's own answer is used.
 """
@@ -70,7 +72,8 @@ class ActuatorState:
 
     Attributes:
         applied: the depth every rank applies now (``None`` = fallback). Written only by
-            :meth:`TpSync.take`, i.e. only from what came out of the broadcast. Invariant:
+            :meth:`TpSync.take`, i.e. only from what came out of the broadcast (or, on a
+            replica of one rank, from :meth:`TpSync.apply_here`, which calls it). Invariant:
             once ``valid`` is known, ``applied`` is ``None`` or one of ``valid``, so the
             actuator's per-step calls need not check it again.
         valid: the depths SGLang built runtime states for; ``None`` until a params object is
@@ -126,6 +129,12 @@ class TpSync:
         self._seq += 1
         self.state.counters.syncs_sent += 1
         return DepthSync(depth=desired, seq=self._seq)
+
+    def apply_here(self, desired: int | None) -> None:
+        """A replica of one rank: :meth:`offer` and :meth:`take` with the broadcast left out."""
+        marker = self.offer(desired)
+        if marker is not None:
+            self.take([marker])
 
     def take(self, reqs: list[Any] | None) -> list[Any] | None:
         """Every rank, after the broadcast: apply the last marker and return the list without markers."""

@@ -219,6 +219,13 @@ def resolved_arg(server_args: Any, name: str) -> Any:
         return getattr(server_args, name, None)
 
 
+def single_rank(server_args: Any) -> bool:
+    """Whether each replica's scheduler is one process: TP size 1 and PP size 1."""
+    tp = resolved_arg(server_args, "tp_size")
+    pp = resolved_arg(server_args, "pp_size")
+    return (tp is None or int(tp) == 1) and (pp is None or int(pp) == 1)
+
+
 @dataclass(frozen=True, slots=True)
 class Ranks:
     """Where this scheduler process sits. Entry rank = ``tp_rank == 0 and pp_rank == 0``."""

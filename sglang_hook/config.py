@@ -23,6 +23,7 @@ ENV_STALE_MS = "SPECDEPTH_STALE_MS"
 ENV_INSTANCE = "SPECDEPTH_INSTANCE"
 ENV_CLIENT_THREAD = "SPECDEPTH_CLIENT_THREAD"
 ENV_CLIENT_TICK_MS = "SPECDEPTH_CLIENT_TICK_MS"
+ENV_SINGLE_RANK = "SPECDEPTH_SINGLE_RANK"
 AUTO_THREAD_MIN_CPUS = 4  # --spec-client-thread auto: fewer, and the thread slows the scheduler
 
 DEFAULT_DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 5)
@@ -57,6 +58,11 @@ class HookConfig:
         client_tick_ms: with the client thread, how often it looks at its queue while records
             flow (the scheduler's hand-over is then a bare append); 0 = the scheduler wakes it
             for every record.
+        single_rank: set by the launcher when each replica's scheduler is one process (TP and
+            PP size 1): the entry rank applies a decision where it reads it, after its step
+            record, and the request broadcast is not hooked at all (one hook less on every
+            scheduler iteration). ``False`` (the default, and what a hand-wired deployment
+            gets) rides the broadcast, which is right for any number of ranks.
     """
 
     endpoint: str
@@ -66,6 +72,7 @@ class HookConfig:
     instance: str = ""
     client_thread: bool | None = None
     client_tick_ms: int = DEFAULT_CLIENT_TICK_MS
+    single_rank: bool = False
 
     def __post_init__(self) -> None:
         if not _ENDPOINT_RE.match(self.endpoint):
@@ -98,6 +105,8 @@ class HookConfig:
             env[ENV_CLIENT_THREAD] = "on" if self.client_thread else "off"
         if self.client_tick_ms != DEFAULT_CLIENT_TICK_MS:
             env[ENV_CLIENT_TICK_MS] = str(self.client_tick_ms)
+        if self.single_rank:
+            env[ENV_SINGLE_RANK] = "1"
         return env
 
     @classmethod
@@ -119,6 +128,7 @@ class HookConfig:
             instance=env.get(ENV_INSTANCE, ""),
             client_thread=parse_auto_on_off(env.get(ENV_CLIENT_THREAD, "auto"), "--spec-client-thread"),
             client_tick_ms=parse_tick_ms(env.get(ENV_CLIENT_TICK_MS, str(DEFAULT_CLIENT_TICK_MS))),
+            single_rank=bool(parse_auto_on_off(env.get(ENV_SINGLE_RANK, "0"), ENV_SINGLE_RANK)),
         )
 
 

@@ -19,7 +19,9 @@ What it does, in order:
    SGLang's own ``adaptive_unsupported_reason`` (SGLang itself would only warn and silently
    run without adaptive mode, i.e. without our actuator) — and what the hook cannot do
    (attention DP, pipeline parallelism);
-5. starts SGLang's own server in this process.
+5. tells the scheduler processes when each replica is one process (TP and PP size 1): the
+   decision is then applied where it is read, without riding the request broadcast;
+6. starts SGLang's own server in this process.
 
 Without ``--speculative-algorithm`` the server runs as usual and the hook still streams a step
 record (depth 0) per decode step, so traces can be recorded from any SGLang server.
@@ -28,6 +30,7 @@ record (depth 0) per decode step, so traces can be recorded from any SGLang serv
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -274,6 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         compat.resolve_server_args(server_args)
         if p.speculative and not compat.resolved_arg(server_args, "speculative_adaptive"):
             raise Refused("SGLang turned --speculative-adaptive off for this configuration")
+        if compat.single_rank(server_args):
+            # Read by the scheduler processes, which start after this: no broadcast to hook.
+            os.environ.update(dataclasses.replace(p.config, single_rank=True).to_env())
     except (ConfigError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,9 @@ Hooks (see :mod:`sglang_hook.compat` for the exact targets):
 - ``AdaptiveController.__init__``: wrap ``.params`` with the actuator (every TP rank).
 - ``SchedulerRequestReceiver._broadcast_reqs_across_ranks``: the entry rank reads the newest
   decision and adds a :class:`~sglang_hook.actuator.DepthSync` marker to the request broadcast
-  when it changes; every rank applies the marker it received.
+  when it changes; every rank applies the marker it received. Not hooked where the launcher
+  saw one process per replica (TP and PP size 1): there the entry rank applies the decision
+  right after its step record (``HookRuntime.direct``).
 - ``Scheduler.process_batch_result``: after each decode result, the entry rank builds one
   ``step`` record and hands it to the client; prefill batches add to ``prefill_tokens``.
 - ``Scheduler.on_idle``: the next decode's ``step_us`` is timed from its own launch.
@@ -106,6 +108,22 @@ class HookRuntime:
         self.config = config
         self.ranks = ranks
         self.is_entry = ranks.is_entry  # a plain attribute: read on every scheduler step
+        # One process per replica (the launcher saw TP and PP size 1): the request broadcast is
+        # not hooked, and the entry rank applies each decision right after its step record.
+        self.direct = config.single_rank and ranks.tp_size == 1 and ranks.pp_size == 1
+        if config.single_rank and not self.direct:
+            # The broadcast hook is not registered, so decisions cannot reach the other ranks:
+            # every rank keeps to the fallback (consistently), rather than the entry rank alone
+            # following the controller.
+            log_once(
+                "single-rank",
+                "spec controller: launched for one rank, but this is TP rank %d of %d, PP rank %d of %d; "
+                "decisions are not applied",
+                ranks.tp_rank,
+                ranks.tp_size,
+                ranks.pp_rank,
+                ranks.pp_size,
+            )
         self.state = ActuatorState()
         fallback = (
             "SGLang's adaptive policy" if config.fallback_depth is None else f"depth {config.fallback_depth}"
@@ -197,13 +215,15 @@ class HookRuntime:
                     client, build=self.build_step, min_drain_ns=drain_ns, refresh_after_ns=POLL_AFTER_NS
                 )
             logger.info(
-                "spec controller: instance %s -> %s (depths %s, stale %.0f ms, client thread %s (%s))",
+                "spec controller: instance %s -> %s (depths %s, stale %.0f ms, client thread %s (%s)); "
+                "decisions applied %s",
                 self.instance,
                 self.config.endpoint,
                 list(depths),
                 self.config.stale_ms,
                 mode,
                 why,
+                "after each step record (one rank)" if self.direct else "through the TP broadcast",
             )
         except Exception:
             self._client_failed = True
@@ -309,11 +329,21 @@ class HookRuntime:
                     t1 = time.perf_counter_ns()
                     client.submit(captured)
                     self.pending_site_ns["send"] += time.perf_counter_ns() - t1
+            if self.direct and client is not None:
+                # The decision the client holds now (the inline client drained in submit()),
+                # applied for the next decode launch, as the broadcast would have at the top of
+                # the next iteration. Most steps: unchanged, nothing to do.
+                depth = client.fresh_depth
+                sync = self.sync
+                if not (sync.repeat_is_noop and depth == sync.last_desired):
+                    sync.apply_here(depth)
             if t0 is not None:
                 self._profile["record_cpu_ns"].append(self.stop(t0, "rec"))
                 self.iter_result = 2
                 if bs:
                     self._profile_step(step_us, bs)
+                if self.direct:  # no iteration top to close it at
+                    self.close_iteration()
         elif batch.forward_mode.is_extend():
             n = getattr(batch, "extend_num_tokens", None)
             if type(n) is int and n > 0:
@@ -321,6 +351,8 @@ class HookRuntime:
             if t0 is not None:
                 self.stop(t0, "rec")
                 self.iter_result = self.iter_result or 1
+                if self.direct:
+                    self.close_iteration()
 
     def _skip(self, depth: int, per_req: Any) -> None:
         self.skipped_records += 1
@@ -353,9 +385,17 @@ class HookRuntime:
             ts_ns=ts_ns,
         )
 
-    def on_idle(self) -> None:
+    def on_idle(self, scheduler: Any) -> None:
+        """The scheduler has nothing to run: forget the previous decode; connect if not yet.
+
+        Connecting here, while the server waits for its first request, gives ZeroMQ time to
+        complete the connection before the first record (a record sent before that is dropped).
+        Through the broadcast, the first iteration top did it; a replica of one rank has none.
+        """
         self.prev_decode_ns = None
         self._clear_pending()
+        if self.is_entry and self.client is None:
+            self._ensure_client(scheduler.server_args)
 
     # Benchmark profiler (only when $SPECDEPTH_PROFILE_OUT is set; otherwise nothing is timed).
     # The CPU clock is a syscall, the wall clock is not (vDSO): each wall window opens after and
@@ -543,7 +583,11 @@ def on_idle_hook(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> An
     """AROUND ``Scheduler.on_idle``: forget the previous decode time."""
     rt = runtime()
     if rt is not None:
-        rt.on_idle()
+        try:
+            rt.on_idle(scheduler)
+        except Exception:
+            rt.state.counters.hook_errors += 1
+            log_once("idle", "spec controller: idle housekeeping failed", exc=True)
     return original(scheduler, *args, **kwargs)
 
 
@@ -573,6 +617,8 @@ def register() -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         for target, fn in HOOKS:
+            if config.single_rank and fn is broadcast_hook:
+                continue  # decisions are applied after the step record (HookRuntime.direct)
             HookRegistry.register(target, fn, HookType.AROUND)
     except Exception:
         logger.exception("spec controller: hook not loaded")

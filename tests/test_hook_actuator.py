@@ -253,7 +253,13 @@ class ScriptedClient:
 
 
 def depth_now(rt: plugin.HookRuntime) -> int | None:
-    """What the entry rank applies at the top of the next scheduler iteration (None: fall back)."""
+    """What the entry rank applies for the next decode launch (None: fall back).
+
+    Through the broadcast, that is what the top of the next scheduler iteration offers; on a
+    replica of one rank, what the last step record applied.
+    """
+    if rt.direct:
+        return rt.state.applied
     rt.offer(RECEIVER)
     return rt.sync.last_desired
 
@@ -340,8 +346,11 @@ def test_tp_broadcast_applies_the_same_depth_on_every_rank_at_the_same_step(tmp_
     assert runs[0]["invalid"] == script.count(4)
 
 
+@pytest.mark.parametrize("single_rank", [False, True], ids=["broadcast", "one-rank"])
 @pytest.mark.parametrize("client_thread", [True, False], ids=["client-thread", "inline"])
-def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path, client_thread: bool) -> None:
+def test_staleness_runs_only_while_steps_are_unanswered(
+    tmp_path: Path, client_thread: bool, single_rank: bool
+) -> None:
     """Real client, real controller service: idle keeps the decision, a dead controller does not."""
     import threading
     import time
@@ -357,8 +366,10 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path, client_t
         return server, thread
 
     rt = plugin.HookRuntime(
-        HookConfig(endpoint=endpoint, stale_ms=200.0, client_thread=client_thread), compat.Ranks()
+        HookConfig(endpoint=endpoint, stale_ms=200.0, client_thread=client_thread, single_rank=single_rank),
+        compat.Ranks(),
     )
+    assert rt.direct is single_rank
     rt.state.valid = frozenset(DEPTHS)  # as if SGLang built runtime states for DEPTHS
     scheduler = fake_scheduler()
 
@@ -378,6 +389,8 @@ def test_staleness_runs_only_while_steps_are_unanswered(tmp_path: Path, client_t
         assert rt.hello_depths == DEPTHS
         assert step_until(2) == 2
         time.sleep(0.5)  # idle for longer than stale_ms: no steps, nothing to answer
+        if single_rank:
+            fake_decode(rt, scheduler, [10])  # the first step after idle applies what it finds
         assert depth_now(rt) == 2
     finally:
         server.stop()
@@ -715,3 +728,93 @@ def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_wind
         assert plugin.PROFILE_SITES[prof["max_window_site"][i]] in ("rec", "poll")
     assert len(prof["iter_ns"]) == 5  # iterations that processed a batch: 5 decodes, 1 prefill, less the last
     assert prof["iter_decode"][:3] == [1, 1, 0]
+
+
+class SubmitScriptedClient(ScriptedClient):
+    """A client whose newest decision changes with each record it is given (from the script)."""
+
+    busy_cpu_ns = last_lag_ns = 0  # what the benchmark profiler reads from a client
+
+    def __init__(self, script: list[int | None]) -> None:
+        super().__init__(script)
+        self.records: list[Any] = []
+
+    def submit(self, captured: Any) -> None:
+        self.records.append(captured)
+
+
+def test_one_rank_applies_each_decision_after_its_step_record(tmp_path: Path) -> None:
+    """Without the broadcast hook: SGLang's real controller launches at the depth the last record found."""
+    controller, worker, _ = make_controller(tmp_path)
+    rt = plugin.HookRuntime(
+        HookConfig(endpoint="ipc:///tmp/hook-none.sock", single_rank=True), compat.Ranks()
+    )
+    assert rt.direct
+    rt.state = controller.params._state  # the state SGLang's wrapped params read
+    rt.sync = TpSync(rt.state)
+    rt.instance, rt.hello_depths = "i", DEPTHS
+    script: list[int | None] = [1, 1, 5, None, 4, 2, 2]
+    rt.client = SubmitScriptedClient(script)
+    scheduler = fake_scheduler()
+    launched = []
+    for _ in script:
+        fake_decode(rt, scheduler, [10, 20], depth=worker.speculative_num_steps, accept=[0, 0])
+        controller.activate_step_by_batch(2)
+        launched.append(worker.speculative_num_steps)
+    sglang_default = controller.params.inner.get_steps_for_batch(2)
+    # None and 4 (no runtime state) hand the launch back to SGLang's policy.
+    assert launched == [1, 1, 5, sglang_default, sglang_default, 2, 2]
+    assert rt.state.counters.invalid_depth == 1
+    assert len(rt.client.records) == len(script)
+
+
+def test_a_one_rank_launch_on_several_ranks_applies_nothing() -> None:
+    """The broadcast is not hooked, so the entry rank must not follow the controller alone."""
+    rt = plugin.HookRuntime(
+        HookConfig(endpoint="ipc:///tmp/hook-none.sock", single_rank=True), compat.Ranks(tp_rank=0, tp_size=2)
+    )
+    assert not rt.direct
+    rt.state.valid = frozenset(DEPTHS)
+    rt.instance, rt.hello_depths = "i", DEPTHS
+    rt.client = SubmitScriptedClient([3, 3, 3])
+    for _ in range(3):
+        fake_decode(rt, fake_scheduler(), [10], depth=3, accept=[1])
+    assert rt.state.applied is None and rt.state.counters.syncs_applied == 0
+    assert len(rt.client.records) == 3  # telemetry still flows
+
+
+def test_single_rank_is_tp_and_pp_size_one() -> None:
+    assert compat.single_rank(SimpleNamespace(tp_size=1, pp_size=1))
+    assert not compat.single_rank(SimpleNamespace(tp_size=2, pp_size=1))
+    assert not compat.single_rank(SimpleNamespace(tp_size=1, pp_size=2))
+
+
+def test_the_profiler_closes_iterations_at_the_record_on_one_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No iteration tops to close an iteration at: each batch result closes its own."""
+    import gc
+
+    monkeypatch.setenv(plugin.ENV_PROFILE_OUT, str(tmp_path / "prof.jsonl"))
+    rt = plugin.HookRuntime(
+        HookConfig(endpoint="ipc:///tmp/hook-none.sock", single_rank=True), compat.Ranks()
+    )
+    rt.state.valid = frozenset(DEPTHS)
+    rt.instance, rt.hello_depths = "i", DEPTHS
+    rt.client = SubmitScriptedClient([3] * 4)
+    try:
+        for k in range(4):
+            if k == 2:
+                fake_prefill(rt, fake_scheduler(), 16)
+            fake_decode(rt, fake_scheduler(), [10], depth=3, accept=[1])
+        rt.flush_profile()
+    finally:
+        gc.callbacks.remove(rt._on_gc)
+    prof: dict[str, list[int]] = {}
+    for line in (tmp_path / "prof.jsonl").read_text().splitlines():
+        for key, values in json.loads(line).items():
+            if key != "counters":
+                prof.setdefault(key, []).extend(values)
+    assert prof["iter_decode"] == [1, 1, 0, 1, 1]
+    assert all(n > 0 for n in prof["iter_ns"])
+    assert prof["polls"] == [0] * 4 and prof["poll_ns"] == [0] * 4

@@ -56,6 +56,24 @@ def test_plugin_registers_exactly_the_contract_targets(monkeypatch: pytest.Monke
         HookRegistry._hooks.update(saved)
 
 
+def test_one_rank_launch_leaves_the_request_broadcast_unhooked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_hook import plugin
+
+    monkeypatch.setenv("SPECDEPTH_CONTROLLER", "ipc:///tmp/hook-contract.sock")
+    monkeypatch.setenv("SPECDEPTH_SINGLE_RANK", "1")
+    saved = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    try:
+        plugin.register()
+        ours = {target for target, hooks in HookRegistry._hooks.items() for _, h, _ in hooks if h in
+                {fn for _, fn in plugin.HOOKS}}  # fmt: skip
+        assert ours == {target for target, _ in plugin.HOOKS} - {compat.BROADCAST_REQS}
+    finally:
+        HookRegistry._hooks.clear()
+        HookRegistry._hooks.update(saved)
+
+
 def test_plugin_registers_nothing_without_a_controller(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 

@@ -250,6 +250,8 @@ def test_one_record_per_decode_step_matching_sglangs_own_log(stack: Stack) -> No
     assert abs(sum(ours) / sum(theirs) - 1) < 0.25, (sum(ours), sum(theirs))
     assert all(0.0 <= r["kv_usage"] <= 1.0 for r in recs)
     assert all(r["ctx_tokens"] >= r["bs"] for r in recs)
+    # TP size 1: the launcher told the scheduler so, and the broadcast is left unhooked.
+    assert "decisions applied after each step record (one rank)" in stack.server.text()
 
 
 def test_generated_ids_identical_with_and_without_the_hook(stack: Stack) -> None:
