@@ -46,6 +46,10 @@ from sglang_hook.config import HookConfig, auto_client_thread, usable_cpus
 logger = logging.getLogger("sglang_hook")
 
 ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
+# Benchmark: "alternate" reads the thread-CPU clock (a syscall) around the profiler's windows
+# only in every other block of PROFILE_FLUSH_EVERY records, so the effect of the profiler's own
+# syscalls on the wall time it measures shows side by side in one run; default "on".
+ENV_PROFILE_CPU_CLOCK = "SPECDEPTH_PROFILE_CPU_CLOCK"
 PROFILE_FLUSH_EVERY = 32
 # Without the client thread, the top of a scheduler iteration drains the controller's replies
 # only when the last drain (each record drains before it is sent) is older than this: a
@@ -85,6 +89,9 @@ PROFILE_KEYS = (
     # (something else ran on the core) from one made of many cold ones.
     "max_window_ns",
     "max_window_site",
+    # 1 where the thread-CPU clock was read around this record's windows (the *_cpu_ns keys
+    # and the reference are 0 where it was not: see ENV_PROFILE_CPU_CLOCK).
+    "cpu_clock",
     # Per scheduler iteration instead of per decode record (lists of their own length): the
     # hook's wall time from one iteration top to the next, for iterations that processed a
     # batch result (decode or prefill), and whether that result was a decode.
@@ -155,6 +162,8 @@ class HookRuntime:
         self._gc_ns = 0  # wall ns inside collections, all of them, since start
         self._gc_t0 = 0
         self._profile: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
+        self._cpu_clock = True
+        self._cpu_alternate = os.environ.get(ENV_PROFILE_CPU_CLOCK, "on") == "alternate"
         if self.profiler is not None:
             gc.callbacks.append(self._on_gc)
 
@@ -401,13 +410,13 @@ class HookRuntime:
     # The CPU clock is a syscall, the wall clock is not (vDSO): each wall window opens after and
     # closes before the CPU clock's reads, so the wall numbers carry no syscall of the profiler.
     def start(self) -> tuple[int, int, int]:
-        cpu = time.thread_time_ns()
+        cpu = time.thread_time_ns() if self._cpu_clock else 0
         return time.perf_counter_ns(), cpu, self._gc_ns
 
     def stop(self, t0: tuple[int, int, int], site: str = "wrap") -> int:
         """Close a window opened by :meth:`start`; returns its thread-CPU ns."""
         wall = time.perf_counter_ns() - t0[0]
-        cpu = time.thread_time_ns() - t0[1]
+        cpu = time.thread_time_ns() - t0[1] if self._cpu_clock else 0
         self.pending_wall_ns += wall
         self.pending_iter_ns += wall
         self.pending_cpu_ns += cpu
@@ -438,9 +447,13 @@ class HookRuntime:
         prof["polls"].append(self.pending_polls)
         # A fixed pure-Python reference right after the hook: shows how much this host inflates
         # any Python code at this point of the step (cold caches after the forward, SMT, load).
-        t0 = time.thread_time_ns()
-        sum(range(200))
-        prof["ref_cpu_ns"].append(time.thread_time_ns() - t0)
+        if self._cpu_clock:
+            t0 = time.thread_time_ns()
+            sum(range(200))
+            prof["ref_cpu_ns"].append(time.thread_time_ns() - t0)
+        else:
+            prof["ref_cpu_ns"].append(0)
+        prof["cpu_clock"].append(int(self._cpu_clock))
         for site, ns in self.pending_site_ns.items():
             prof[site + "_ns"].append(ns)
         prof["step_us"].append(step_us)
@@ -458,6 +471,8 @@ class HookRuntime:
         self._clear_pending()
         if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
             self.flush_profile()
+            if self._cpu_alternate:  # between windows: none is open now
+                self._cpu_clock = not self._cpu_clock
 
     def _clear_pending(self) -> None:
         """Start the next record's sums (after a record, or when the scheduler goes idle)."""

@@ -818,3 +818,35 @@ def test_the_profiler_closes_iterations_at_the_record_on_one_rank(
     assert prof["iter_decode"] == [1, 1, 0, 1, 1]
     assert all(n > 0 for n in prof["iter_ns"])
     assert prof["polls"] == [0] * 4 and prof["poll_ns"] == [0] * 4
+
+
+def test_the_profiler_can_leave_the_cpu_clock_out_of_every_other_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPECDEPTH_PROFILE_CPU_CLOCK=alternate: blocks of records with and without the CPU clock's syscalls."""
+    import gc
+
+    monkeypatch.setenv(plugin.ENV_PROFILE_OUT, str(tmp_path / "prof.jsonl"))
+    monkeypatch.setenv(plugin.ENV_PROFILE_CPU_CLOCK, "alternate")
+    rt = plugin.HookRuntime(
+        HookConfig(endpoint="ipc:///tmp/hook-none.sock", single_rank=True), compat.Ranks()
+    )
+    rt.instance, rt.hello_depths = "i", DEPTHS
+    n = 3 * plugin.PROFILE_FLUSH_EVERY
+    rt.client = SubmitScriptedClient([None] * n)
+    try:
+        for _ in range(n):
+            fake_decode(rt, fake_scheduler(), [10])
+    finally:
+        gc.callbacks.remove(rt._on_gc)
+    prof: dict[str, list[int]] = {}
+    for line in (tmp_path / "prof.jsonl").read_text().splitlines():
+        for key, values in json.loads(line).items():
+            if key != "counters":
+                prof.setdefault(key, []).extend(values)
+    block = plugin.PROFILE_FLUSH_EVERY
+    assert prof["cpu_clock"] == [1] * block + [0] * block + [1] * block
+    off = [i for i, on in enumerate(prof["cpu_clock"]) if not on]
+    assert all(prof["hook_cpu_ns"][i] == prof["ref_cpu_ns"][i] == 0 for i in off)
+    assert all(prof["hook_ns"][i] > 0 for i in off)  # the wall clock still times every window
+    assert sum(prof["ref_cpu_ns"][:block]) > 0

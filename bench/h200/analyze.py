@@ -203,7 +203,11 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
             if not prof.get("hook_ns"):
                 continue
             wall = [x / 1000 for x in prof["hook_ns"]]
-            cpu = [x / 1000 for x in prof["hook_cpu_ns"]]
+            # From call 23, blocks of records alternate with and without the profiler's CPU-clock
+            # reads (SPECDEPTH_PROFILE_CPU_CLOCK=alternate); CPU times exist only with them.
+            clock = prof.get("cpu_clock") or [1] * len(wall)
+            cpu = [x / 1000 for x, on in zip(prof["hook_cpu_ns"], clock, strict=True) if on]
+            refs = [x / 1000 for x, on in zip(prof["ref_cpu_ns"], clock, strict=True) if on]
             step = [float(x) for x in prof["step_us"] if x > 0]
             level = f.stem.removeprefix("hookprof_")
             # The hook logs its client-thread mode (from call 9); calls up to 6 ran it inline.
@@ -236,7 +240,13 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                     "wall_p99_us": pct(wall, 0.99),
                     "cpu_p50_us": pct(cpu, 0.5),
                     "cpu_p99_us": pct(cpu, 0.99),
-                    "ref_cpu_p50_us": pct([x / 1000 for x in prof["ref_cpu_ns"]], 0.5),
+                    "ref_cpu_p50_us": pct(refs, 0.5),
+                    # Wall p50 / p99 and steps, with the CPU clock read around the windows and without.
+                    "clock_split": [
+                        (*_p50_p99(pct, v), len(v))
+                        for want in (1, 0)
+                        if (v := [w for w, on in zip(wall, clock, strict=True) if on == want])
+                    ],
                     "step_p50_us": pct(step, 0.5) if step else float("nan"),
                     # By call site (wall p50): the record (of which the client's socket visit),
                     # the visits at the top of scheduler iterations. Older profiles lack them.
@@ -253,9 +263,12 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                         for bs in (1, 4, 16, 64)
                         if (v := [w for w, b in zip(wall, prof["bs"], strict=True) if b == bs])
                     },
+                    # None on a replica of one rank (from call 23): no iteration tops are hooked.
                     "one_iteration": _p50_p99(
                         pct, [w for w, n in zip(wall, prof["polls"], strict=True) if n == 1]
-                    ),
+                    )
+                    if any(prof["polls"])
+                    else None,
                     # Per scheduler iteration that processed a batch result (from call 15).
                     "per_iteration": _p50_p99(pct, [x / 1000 for x in prof.get("iter_ns", [])]),
                     "iterations": len(prof.get("iter_ns", [])),
@@ -308,7 +321,7 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
             else "–"
             for bs in (1, 4, 16, 64)
         )
-        one = r["one_iteration"]
+        one = r["one_iteration"] or (float("nan"), float("nan"))
         gc_steps = "–" if r["gc_steps"] is None else f"{r['gc_steps']} of {r['steps']}"
         no_gc = "–" if r["no_gc"] is None else f"{r['no_gc'][0]:.1f} / {r['no_gc'][1]:.1f}"
         it = r["per_iteration"]
@@ -318,6 +331,18 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
         lines.append(
             f"| {r['call']} | {r['level']} | {by_bs} | {one[0]:.1f} / {one[1]:.1f} | {gc_steps} | {no_gc} | {per_it} | {tail} |"
         )
+    split = [r for r in rows if len(r["clock_split"]) == 2]
+    if split:
+        lines += ["", "### the profiler's own clock: the hook's wall time per decode step, blocks of 32 records"
+                  " with and without the thread-CPU clock's reads (a syscall each) around its windows", "",
+                  "| call | level | with: steps, p50 / p99 µs | without: steps, p50 / p99 µs | p50 / p99 without ÷ with |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for r in split:
+            (a50, a99, an), (b50, b99, bn) = r["clock_split"]
+            lines.append(
+                f"| {r['call']} | {r['level']} | {an}, {a50:.1f} / {a99:.1f} | {bn}, {b50:.1f} / {b99:.1f} | "
+                f"{b50 / a50:.2f} / {b99 / a99:.2f} |"
+            )
     return lines + [""], rows
 
 

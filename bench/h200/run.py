@@ -541,6 +541,9 @@ def level_run(
     # The hook's own cost per decode step, timed inside the real scheduler (entry rank): the
     # same profiler as bench/bench_hook.py, here with CUDA graphs and EAGLE-3 on a GPU.
     env["SPECDEPTH_PROFILE_OUT"] = str(RES / f"hookprof_{level}.jsonl")
+    # Blocks of records with and without the profiler's CPU-clock syscalls, side by side: does
+    # the profiler's own clock change the wall time it measures?
+    env["SPECDEPTH_PROFILE_CPU_CLOCK"] = "alternate"
     env.update(LEVEL_ENV.get(level, {}))  # e.g. one level with SPECDEPTH_CLIENT_THREAD=off: an A/B
     server.start(env)
     ok, why = server.wait_ready(min(400.0, max(10.0, deadline - time.time())))
