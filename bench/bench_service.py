@@ -37,6 +37,7 @@ import argparse
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -486,8 +487,42 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         finally:
             mlp._compiled = compiled  # type: ignore[union-attr]
         parts["reference: the MLP in numpy (no numba)"] = ref
+    parts["reply send (2 frames, ROUTER to ipc peer)"] = reply_send_ns(n)
     skip = n // 10
     return {k: (pct(v[skip:], 50), pct(v[skip:], 99)) for k, v in parts.items()}
+
+
+def reply_send_ns(n: int) -> list[int]:
+    """The server's reply send, as ``_on_step`` makes it, in lock-step with a DEALER peer.
+
+    The same two calls on a ROUTER over ``ipc://``, each timed alone; the peer reads the reply
+    before the next send, so ZeroMQ's I/O thread has gone idle and every send must wake it,
+    as it must for one instance at a time in the live path.
+    """
+    from controller.service import _NOBLOCK, _SEND_MORE, _zsend
+
+    ctx = zmq.Context()
+    folder = tempfile.mkdtemp(prefix="bench_send_")
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    out: list[int] = []
+    try:
+        router.bind(f"ipc://{folder}/s.sock")
+        dealer.connect(f"ipc://{folder}/s.sock")
+        dealer.send(b"hi")  # the ROUTER learns the peer's identity
+        ident, _ = router.recv_multipart()
+        payload = msgpack.packb({"t": "decision", "v": 1, "instance": "bd", "seq": 1, "depth": 3})
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            _zsend(router, ident, _SEND_MORE)
+            _zsend(router, payload, _NOBLOCK)
+            out.append(time.perf_counter_ns() - t0)
+            dealer.recv()
+    finally:
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
 # --------------------------------------------------------------------------- main
