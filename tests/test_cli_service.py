@@ -143,10 +143,26 @@ def test_record_folder_not_creatable(tmp_path: Path) -> None:
     assert_one_line_error(proc, "record folder")
 
 
+@pytest.mark.parametrize("value", ["-1", "1000001"])
+def test_busy_poll_out_of_range(tmp_path: Path, value: str) -> None:
+    proc = run_cli(
+        "serve", "--policy", "builtin:static:2", "--bind", f"ipc://{tmp_path}/b.sock", "--busy-poll-us", value
+    )
+    assert_one_line_error(proc, "--busy-poll-us", value)
+
+
 def test_serve_help_explains_every_option() -> None:
     proc = run_cli("serve", "--help")
     assert proc.returncode == 0
-    for option in ("--policy", "--bind", "--record", "--metrics-port", "--max-instances", "--log-level"):
+    for option in (
+        "--policy",
+        "--bind",
+        "--record",
+        "--metrics-port",
+        "--max-instances",
+        "--log-level",
+        "--busy-poll-us",
+    ):
         assert option in proc.stdout
     assert "builtin:static:3" in proc.stdout
 

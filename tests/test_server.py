@@ -674,6 +674,60 @@ def test_latency_log_has_one_entry_per_decision(workdir: Path) -> None:
     assert len(lat) == 25 and (lat > 0).all() and (lat < 10**9).all()
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_busy_poll_answers_the_same_records_everything_and_sleeps_when_idle(workdir: Path) -> None:
+    """--busy-poll-us: same decisions, same crash-safe trace; the spinning stops when steps do."""
+    endpoint = ipc(workdir)
+    runs = workdir / "runs"
+    server = ServerProcess(endpoint, "builtin:goodput", "--busy-poll-us", "50000", "--record", str(runs))
+    peer = Peer(endpoint)
+    loop = ClosedLoop("spin", seed=5)
+    got = []
+    try:
+        assert peer.ask(Hello("spin", DEPTHS).to_wire())["t"] == "welcome"
+        for _ in range(300):
+            depth = peer.ask(loop.next_step())["depth"]
+            loop.apply(depth)
+            got.append(depth)
+        time.sleep(0.3)  # longer than the busy poll: the server is back to a blocking wait
+        before = _cpu_s(server.proc.pid)
+        time.sleep(1.0)
+        idle_cpu = _cpu_s(server.proc.pid) - before
+        os.kill(server.proc.pid, signal.SIGKILL)  # everything answered was flushed first
+        server.stop()
+    finally:
+        peer.close()
+    assert got == expected_decisions("builtin:goodput", "spin", 300, seed=5)
+    assert idle_cpu < 0.3, f"{idle_cpu:.2f} CPU s in 1 s idle: still spinning"
+    (path,) = [p for p in runs.iterdir() if p.name.startswith("spin-")]
+    records = list(iter_records(path))
+    assert sum(r["t"] == "step" for r in records) == 300
+    assert [r["depth"] for r in records if r["t"] == "decision"] == got
+
+
+def test_busy_poll_spins_while_steps_flow_and_stops_on_sigterm(workdir: Path) -> None:
+    endpoint = ipc(workdir)
+    server = ServerProcess(endpoint, "builtin:static:2", "--busy-poll-us", "1000000")
+    peer = Peer(endpoint)
+    try:
+        peer.ask(Hello("s", DEPTHS).to_wire())
+        peer.ask(step_wire("s", 0))
+        before = _cpu_s(server.proc.pid)
+        time.sleep(0.5)  # inside the busy poll's second: the serving thread polls without sleeping
+        busy_cpu = _cpu_s(server.proc.pid) - before
+        t0 = time.monotonic()
+        assert server.stop(signal.SIGTERM) == 0
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        peer.close()
+    assert busy_cpu > 0.2, f"{busy_cpu:.2f} CPU s in 0.5 s: not spinning"
+
+
 # --------------------------------------------------------------------------- a real PPO zip
 
 
