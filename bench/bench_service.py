@@ -9,7 +9,9 @@ Rows (every number measured in this run; ratios side by side, interleaved in blo
 1. in-controller: message received -> decision sent, inside ``controller serve`` with the PPO
    MLP, from the server's own ``--latency-log``; lock-step traffic, 1 instance. Measured with
    the whole server on one core, and (on machines with >= 4 cores) with a second core for its
-   ZeroMQ I/O thread, which otherwise preempts the serving thread on every send.
+   ZeroMQ I/O thread, which otherwise preempts the serving thread on every send; then both
+   again with ``--busy-poll-us 20000`` where the I/O thread has a core of its own (the
+   serving thread polls instead of sleeping while steps flow).
 2. round trip over ``ipc://``: hook sends a step, waits for the decision, against a bare
    Python ZeroMQ ROUTER echo; p50 ratio.
 3. throughput: the server pinned to one core, 8 instances with 64 steps in flight each;
@@ -203,9 +205,15 @@ class Proc:
             raise SystemExit(f"subprocess failed ({self.proc.returncode}): {err}")
 
 
-def serve(policy: str, endpoint: str, cores: set[int] | None, latency_log: Path | None = None) -> Proc:
+def serve(
+    policy: str,
+    endpoint: str,
+    cores: set[int] | None,
+    latency_log: Path | None = None,
+    extra: tuple[str, ...] = (),
+) -> Proc:
     args = [sys.executable, "-m", "controller.cli", "serve", "--policy", policy, "--bind", endpoint]
-    args += ["--log-level", "warning"]
+    args += ["--log-level", "warning", *extra]
     if latency_log is not None:
         args += ["--latency-log", str(latency_log)]
     return Proc(args, cores, endpoint)
@@ -438,6 +446,7 @@ def bench_client_thread(
 # differ by more than 1.6x in how fast they run Python, so the in-controller time is also
 # printed in units of this, measured in the same run on the server's CPU.
 REFERENCE = "reference: pure Python, sum(range(200))"
+BUSY_POLL_US = 20_000  # longer than a decode step: a replica's steps keep the server awake
 
 
 def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
@@ -581,18 +590,29 @@ def main() -> int:
     layouts: list[tuple[str, set[int] | None]] = [("whole process on 1 core", server_cores)]
     if len(quiet) >= 2:
         layouts.append(("serving thread 1 core + ZeroMQ I/O thread", set(quiet)))
+    # The same placements with `--busy-poll-us`: the serving thread polls instead of sleeping
+    # while steps flow (the echo's blocks, ~40 ms, outlast it, so each block starts cold).
+    spin = ("--busy-poll-us", str(BUSY_POLL_US))
+    variants: list[tuple[str, set[int] | None, tuple[str, ...]]] = [(lbl, pin_, ()) for lbl, pin_ in layouts]
+    # Not on one core: there the spinning thread starves ZeroMQ's I/O thread (round trip p99
+    # above 1 ms on a 2-CPU box).
+    variants += [
+        (f"{lbl}, --busy-poll-us {BUSY_POLL_US}", pin_, spin)
+        for lbl, pin_ in layouts
+        if pin_ and len(pin_) >= 2
+    ]
     # For comparison, the placement calls <= 14 used: the first two CPUs.
     earlier = {cores[0], cores[1]}
-    compare: list[tuple[str, set[int] | None]] = (
-        [(f"  the same on CPUs {sorted(earlier)}, where calls <= 14 ran it", earlier)]
+    compare: list[tuple[str, set[int] | None, tuple[str, ...]]] = (
+        [(f"  the same on CPUs {sorted(earlier)}, where calls <= 14 ran it", earlier, ())]
         if len(quiet) >= 2
         else []
     )
     judged: list[tuple[str, float]] = []  # (layout, in-controller p50 µs)
-    for i, (label, pinned) in enumerate(layouts + compare):
+    for i, (label, pinned, extra) in enumerate(variants + compare):
         ctl_ep, echo_ep = f"ipc://{tmp}/ctl{i}.sock", f"ipc://{tmp}/echo{i}.sock"
         lat_log = tmp / f"latency{i}.bin"
-        server = serve(str(policy), ctl_ep, pinned, lat_log)
+        server = serve(str(policy), ctl_ep, pinned, lat_log, extra)
         echo = Proc([sys.executable, str(Path(__file__).resolve()), "--echo", echo_ep], pinned, echo_ep)
         try:
             ctl_rt, echo_rt = bench_round_trip(ctl_ep, echo_ep, n_rt)
@@ -601,7 +621,7 @@ def main() -> int:
             server.stop()
         lat = np.fromfile(lat_log, dtype=np.int64)[min(500, n_rt // 10) :]
         p50, p99 = pct(lat, 50), pct(lat, 99)
-        if i >= len(layouts):  # the comparison: not what is judged
+        if i >= len(variants):  # the comparison: not what is judged
             rows.append((f"{label}: in-controller p50 / p99", f"{p50:.1f} / {p99:.1f} µs", "", ""))
             continue
         judged.append((label, p50))
