@@ -321,7 +321,8 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
             else "–"
             for bs in (1, 4, 16, 64)
         )
-        one = r["one_iteration"] or (float("nan"), float("nan"))
+        one = r["one_iteration"]
+        one_cell = "– (no iteration tops)" if one is None else f"{one[0]:.1f} / {one[1]:.1f}"
         gc_steps = "–" if r["gc_steps"] is None else f"{r['gc_steps']} of {r['steps']}"
         no_gc = "–" if r["no_gc"] is None else f"{r['no_gc'][0]:.1f} / {r['no_gc'][1]:.1f}"
         it = r["per_iteration"]
@@ -329,7 +330,7 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
         tw = r["tail_window"]
         tail = "–" if tw is None else f"{tw[0]:.0%}, {tw[1]} / {tw[2]} / {tw[3]}"
         lines.append(
-            f"| {r['call']} | {r['level']} | {by_bs} | {one[0]:.1f} / {one[1]:.1f} | {gc_steps} | {no_gc} | {per_it} | {tail} |"
+            f"| {r['call']} | {r['level']} | {by_bs} | {one_cell} | {gc_steps} | {no_gc} | {per_it} | {tail} |"
         )
     split = [r for r in rows if len(r["clock_split"]) == 2]
     if split:
