@@ -645,6 +645,16 @@ def test_client_thread_auto_follows_speculation_and_cpus(
         client.close()
 
 
+def read_profile(path: Path) -> dict[str, list[int]]:
+    """The benchmark profiler's JSON lines, each key's values concatenated (counters left out)."""
+    prof: dict[str, list[int]] = {}
+    for line in path.read_text().splitlines():
+        for key, values in json.loads(line).items():
+            if key != "counters":
+                prof.setdefault(key, []).extend(values)
+    return prof
+
+
 def test_the_profiler_times_the_wrappers_own_work_not_sglangs() -> None:
     """Benchmark accounting: both wrapped calls open a window; SGLang's own policy update is outside it."""
     import time
@@ -711,11 +721,7 @@ def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_wind
     finally:
         plugin.reset_runtime(None)
         gc.callbacks.remove(rt._on_gc)  # the profiler's GC timer, which it installed
-    prof: dict[str, list[int]] = {}
-    for line in out.read_text().splitlines():
-        for key, values in json.loads(line).items():
-            if key != "counters":
-                prof.setdefault(key, []).extend(values)
+    prof = read_profile(out)
     assert len(inner.sent) == 5
     per_record = [k for k in plugin.PROFILE_KEYS if k not in ("iter_ns", "iter_decode")]
     assert all(len(prof[k]) == 5 for k in per_record), {k: len(prof[k]) for k in per_record}
@@ -810,11 +816,7 @@ def test_the_profiler_closes_iterations_at_the_record_on_one_rank(
         rt.flush_profile()
     finally:
         gc.callbacks.remove(rt._on_gc)
-    prof: dict[str, list[int]] = {}
-    for line in (tmp_path / "prof.jsonl").read_text().splitlines():
-        for key, values in json.loads(line).items():
-            if key != "counters":
-                prof.setdefault(key, []).extend(values)
+    prof = read_profile(tmp_path / "prof.jsonl")
     assert prof["iter_decode"] == [1, 1, 0, 1, 1]
     assert all(n > 0 for n in prof["iter_ns"])
     assert prof["polls"] == [0] * 4 and prof["poll_ns"] == [0] * 4
@@ -839,11 +841,7 @@ def test_the_profiler_can_leave_the_cpu_clock_out_of_every_other_block(
             fake_decode(rt, fake_scheduler(), [10])
     finally:
         gc.callbacks.remove(rt._on_gc)
-    prof: dict[str, list[int]] = {}
-    for line in (tmp_path / "prof.jsonl").read_text().splitlines():
-        for key, values in json.loads(line).items():
-            if key != "counters":
-                prof.setdefault(key, []).extend(values)
+    prof = read_profile(tmp_path / "prof.jsonl")
     block = plugin.PROFILE_FLUSH_EVERY
     assert prof["cpu_clock"] == [1] * block + [0] * block + [1] * block
     off = [i for i, on in enumerate(prof["cpu_clock"]) if not on]
