@@ -117,7 +117,9 @@ class ServeConfig:
     busy_poll_us: int = 0
 
 
-MAX_BUSY_POLL_US = 1_000_000
+MAX_BUSY_POLL_US = 1_000_000  # `--busy-poll-us` above a second is a busy core, not a latency knob
+
+
 # --------------------------------------------------------------------------- endpoint checks
 
 

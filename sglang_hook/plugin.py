@@ -595,7 +595,7 @@ def batch_result_hook(
 
 
 def on_idle_hook(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``Scheduler.on_idle``: forget the previous decode time."""
+    """AROUND ``Scheduler.on_idle``: forget the previous decode time; connect the entry rank early."""
     rt = runtime()
     if rt is not None:
         try:
