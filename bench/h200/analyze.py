@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -275,6 +276,7 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                     # The top 1% of steps: the longest single window's share of their hook time,
                     # and its site (from call 19): one slow window, or many cold ones?
                     "tail_window": _tail_window(pct, wall, prof),
+                    "record_by_wait": _record_by_wait(prof),
                     "gc_steps": sum(1 for g in prof.get("gc_ns", []) if g > 0) if prof.get("gc_ns") else None,
                     "no_gc": _p50_p99(pct, [w - g / 1000 for w, g in zip(wall, prof["gc_ns"], strict=True)])
                     if prof.get("gc_ns")
@@ -344,7 +346,41 @@ def hook_cost(folders: list[tuple[str, Path]]) -> tuple[list[str], list[dict]]:
                 f"| {r['call']} | {r['level']} | {an}, {a50:.1f} / {a99:.1f} | {bn}, {b50:.1f} / {b99:.1f} | "
                 f"{b50 / a50:.2f} / {b99 / a99:.2f} |"
             )
+    lines += ["", "### the record's window against the step's length: within a batch-size bucket, steps split"
+              " into thirds by step time (the scheduler thread's wait on the GPU grows with it)", "",
+              "| call | level | batch sizes | steps | step p50 µs, shortest / longest third | record window p50 µs,"
+              " shortest / longest third | hand-over p50 µs, shortest / longest third |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        for lo, hi, n, steps, rec, send in r["record_by_wait"]:
+            lines.append(
+                f"| {r['call']} | {r['level']} | {lo}-{hi} | {n} | {steps[0]:.0f} / {steps[1]:.0f} | "
+                f"{rec[0]:.1f} / {rec[1]:.1f} | {send[0]:.1f} / {send[1]:.1f} |"
+            )
     return lines + [""], rows
+
+
+def _record_by_wait(prof: dict[str, list[int]]) -> list[tuple[Any, ...]]:
+    """Per batch-size bucket: the record window's and the hand-over's p50 (µs) on the shortest and
+    the longest third of its steps by step time; a step's record runs after the scheduler thread
+    waited on the GPU for about that step, so a cost that grows with the wait shows here."""
+    if not prof.get("rec_ns") or not prof.get("send_ns"):  # profiles before call 11
+        return []
+    rows = list(zip(prof["rec_ns"], prof["send_ns"], prof["step_us"], prof["bs"], strict=True))
+    out = []
+    for lo, hi in ((1, 1), (2, 4), (5, 16), (17, 32), (33, 64)):
+        sel = sorted((r for r in rows if lo <= r[3] <= hi and r[2] > 0), key=lambda r: r[2])
+        k = len(sel) // 3
+        if k < 10:
+            continue
+        thirds = (sel[:k], sel[-k:])
+
+        def med(i: int, scale: float, parts: tuple[list[Any], ...] = thirds) -> tuple[float, float]:
+            short, long = (statistics.median(r[i] for r in part) / scale for part in parts)
+            return short, long
+
+        out.append((lo, hi, len(sel), med(2, 1.0), med(0, 1000.0), med(1, 1000.0)))
+    return out
 
 
 def _tail_window(
