@@ -116,6 +116,7 @@ CONTRACT: tuple[Target, ...] = (
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens_sum", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.extend_num_tokens", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.launch_ts", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.Req.seqlen", kind="attr", why="ctx_tokens without seq_lens_cpu"),
 )
 
 
@@ -281,9 +282,12 @@ def decode_mode() -> Any:
 
 
 def ctx_total(source: Any) -> int:
-    """Sum of the sequence lengths: an int SGLang summed, or its ``seq_lens_cpu`` tensor, summed now."""
+    """Sum of the sequence lengths: an int SGLang summed, its ``seq_lens_cpu`` tensor, or the
+    batch's list of requests (each ``Req.seqlen``), summed now."""
     if type(source) is int:
         return source
+    if type(source) is list:
+        return sum(req.seqlen for req in source)
     return sum(source.tolist())  # a torch reduction costs several µs more for a small batch
 
 

@@ -285,8 +285,10 @@ class HookRuntime:
           not copied: SGLang builds a new list per result and never writes into it;
         - ``batch.seq_lens_sum`` when SGLang summed it, else ``batch.seq_lens_cpu``, which SGLang
           replaces rather than writes into (``seq_lens_cpu + 1``, ``clone()``), so the sum is
-          taken later; without either, the sum over ``batch.reqs`` now (``reqs`` is extended
-          in place when a prefill merges in);
+          taken later; without either (speculative decoding with an attention backend that
+          keeps no CPU mirror: triton, FA3), ``batch.reqs``, whose ``seqlen`` build_step sums:
+          SGLang rebinds a batch's request list on filter and merge and never changes it in
+          place, so the list is this step's requests;
         - ``len(batch.reqs)``, ``len(scheduler.waiting_queue)``, and ``batch.launch_ts`` for the
           first decode after idle.
         """
@@ -323,8 +325,8 @@ class HookRuntime:
                 ctx = batch.seq_lens_sum
                 if type(ctx) is not int:
                     ctx = batch.seq_lens_cpu
-                    if ctx is None:
-                        ctx = sum(req.seqlen for req in batch.reqs)
+                    if ctx is None:  # e.g. EAGLE v2 with triton or FA3: no CPU mirror at all
+                        ctx = batch.reqs  # summed by build_step (a loop over bs cold requests)
                 self.seq = seq = self.seq + 1
                 captured = (
                     seq, depth, bs, len(scheduler.waiting_queue), per_req, step_us, ctx,
@@ -375,9 +377,9 @@ class HookRuntime:
     def build_step(self, captured: tuple[Any, ...]) -> Step:
         """The step record from what :meth:`after_batch_result` captured (the client calls this).
 
-        With the client thread this runs on that thread, so ``kv_usage`` is read when the
-        record is packed, a fraction of a millisecond after the step; everything else is the
-        step's own.
+        With the client thread this runs on that thread, so ``kv_usage`` (and, where SGLang kept
+        no sequence lengths on the CPU, each request's length) is read when the record is
+        packed, a fraction of a millisecond after the step; everything else is the step's own.
         """
         seq, depth, bs, waiting, per_req, step_us, ctx, prefill, ts_ns = captured
         return Step(

@@ -848,3 +848,39 @@ def test_the_profiler_can_leave_the_cpu_clock_out_of_every_other_block(
     assert all(prof["hook_cpu_ns"][i] == prof["ref_cpu_ns"][i] == 0 for i in off)
     assert all(prof["hook_ns"][i] > 0 for i in off)  # the wall clock still times every window
     assert sum(prof["ref_cpu_ns"][:block]) > 0
+
+
+def test_without_a_cpu_mirror_of_seq_lens_the_requests_are_summed_off_the_scheduler_thread() -> None:
+    """EAGLE v2 with triton or FA3 keeps neither seq_lens_sum nor seq_lens_cpu: the scheduler
+    thread hands over the batch's request list, and build_step sums each Req.seqlen."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    class Req:
+        reads = 0
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        @property
+        def seqlen(self) -> int:
+            Req.reads += 1
+            return self.n
+
+    rt = plugin.HookRuntime(
+        HookConfig(endpoint="ipc:///tmp/hook-none.sock", single_rank=True), compat.Ranks()
+    )
+    rt.state.valid = frozenset(DEPTHS)
+    rt.instance, rt.hello_depths = "i", DEPTHS
+    rt.client = SubmitScriptedClient([3])
+    reqs = [Req(n) for n in (100, 250, 7)]
+    batch = SimpleNamespace(
+        reqs=reqs, forward_mode=ForwardMode.DECODE, seq_lens_sum=None, seq_lens_cpu=None, launch_ts=None
+    )
+    result = SimpleNamespace(speculative_num_draft_tokens=4, num_correct_drafts_per_req_cpu=[1, 3, 0])
+    scheduler = fake_scheduler()
+    rt.after_batch_result(scheduler, batch, result)
+    assert Req.reads == 0  # nothing per request on the scheduler thread
+    (captured,) = rt.client.records
+    step = rt.build_step(captured)
+    assert step.ctx_tokens == 357 and Req.reads == 3
+    assert step.accept == [1, 3, 0] and step.depth == 3 and step.bs == 3
