@@ -245,6 +245,79 @@ def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float,
     return {k: (pct(v[100:], 0.5), pct(v[100:], 0.99)) for k, v in rows.items()}
 
 
+def request_loop_us(iters: int = 1500, bs: int = 64) -> dict[str, tuple[float, float]]:
+    """Where SGLang keeps no CPU copy of the sequence lengths (EAGLE v2 with triton or FA3).
+
+    The step record through the hook's real ``batch_result_hook`` with a batch of ``bs`` real
+    SGLang ``Req`` objects and neither ``seq_lens_sum`` nor ``seq_lens_cpu`` (the record hands
+    the request list to the client thread), interleaved with the loop the record ran there
+    before (``sum(req.seqlen for req in batch.reqs)`` on the scheduler thread). Warm and with
+    the caches thrashed before each call, as :func:`scheduler_path_us`. (p50, p99) µs per row.
+    """
+    import json as _json
+
+    import numpy as np
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from test_hook_actuator import fake_scheduler  # the tests' SGLang fakes
+
+    from controller.client import ClientThread, ControllerClient
+    from controller.protocol import Hello
+    from sglang_hook import compat, plugin
+    from sglang_hook.config import HookConfig
+
+    nobody = f"ipc://{tempfile.gettempdir()}/bench-hook-nobody.sock"
+    rt = plugin.HookRuntime(HookConfig(endpoint=nobody), compat.Ranks())
+    rt.instance, rt.hello_depths = "bench", (0, 1, 3, 5)
+    rt.state.valid = frozenset(rt.hello_depths)
+    rt.client = ClientThread(
+        ControllerClient(nobody, Hello("bench", rt.hello_depths)), build=rt.build_step, tick_ms=1
+    )
+    plugin.reset_runtime(rt)
+    reqs = []
+    for i in range(bs):
+        req = Req(f"r{i}", "", list(range(200 + i)), SamplingParams(max_new_tokens=512))
+        req.output_ids = list(range(50 + i))
+        reqs.append(req)
+    batch = SimpleNamespace(
+        reqs=reqs, forward_mode=ForwardMode.DECODE, seq_lens_sum=None, seq_lens_cpu=None, launch_ts=None
+    )
+    result = SimpleNamespace(speculative_num_draft_tokens=4, num_correct_drafts_per_req_cpu=[1] * bs)
+    scheduler = fake_scheduler()
+    big = np.ones(2 << 20)
+    junk = {f"k{i}": [i, str(i), {"x": i}] for i in range(3000)}
+
+    def process(_scheduler: Any, _batch: Any, _result: Any) -> None:
+        return None
+
+    new, old = (
+        f"record, bs {bs}, request list handed over",
+        f"the loop it ran before: sum of Req.seqlen, bs {bs}",
+    )
+    rows: dict[str, list[float]] = {f"{k}, {c}": [] for k in (new, old) for c in ("warm", "cold")}
+    try:
+        for cold in (False, True):
+            suffix = ", cold" if cold else ", warm"
+            for _ in range(iters):
+                if cold:
+                    big.sum()
+                    _json.dumps(junk)
+                t0 = time.perf_counter_ns()
+                plugin.batch_result_hook(process, scheduler, batch, result)
+                rows[new + suffix].append((time.perf_counter_ns() - t0) / 1000.0)
+                if cold:
+                    big.sum()
+                    _json.dumps(junk)
+                t0 = time.perf_counter_ns()
+                sum(req.seqlen for req in batch.reqs)
+                rows[old + suffix].append((time.perf_counter_ns() - t0) / 1000.0)
+    finally:
+        rt.client.close()
+        plugin.reset_runtime(None)
+    return {k: (pct(v[100:], 0.5), pct(v[100:], 0.99)) for k, v in rows.items()}
+
+
 def bench_wrapper(iters: int = 20000) -> list[tuple[str, float]]:
     """Per-call cost of the actuator wrapper vs SGLang's own params (real AdaptiveController)."""
     from sglang_hook import compat
@@ -288,8 +361,16 @@ def main() -> int:
         default="on,off",
         help="servers to run one after the other: the hook's --spec-client-thread on, off and/or auto",
     )
+    ap.add_argument(
+        "--in-process-only",
+        action="store_true",
+        help="skip the servers: only the tables timed in this process (seconds instead of minutes)",
+    )
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    if args.in_process_only:
+        in_process_tables()
+        return 0
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-hook-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = [row for mode in args.client_thread.split(",") for row in bench_server(args, root, mode.strip())]
@@ -345,6 +426,14 @@ def main() -> int:
         f"reference: sum(range(200)) timed at the same point costs p50 {pct(ref, 0.5):.1f} µs cpu here "
         f"(warm, idle: {warm_reference_us():.1f} µs); polls per step p50 {pct([float(p) for p in polls], 0.5):.0f}"
     )
+    in_process_tables()
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if ok else 1
+
+
+def in_process_tables() -> None:
+    """The tables timed in this process, through the hook's real functions."""
     print(
         "\nThe scheduler thread's share through the hook's real functions, this process (SGLang's batch"
         "\nfaked, depth 3, bs 16, client thread ticking; cold = caches thrashed before each call)"
@@ -352,13 +441,16 @@ def main() -> int:
     for label, (p50, p99) in scheduler_path_us().items():
         print(f"{label:>28} p50 {p50:6.1f}  p99 {p99:6.1f} µs")
     print(
+        "\nWithout SGLang's CPU sequence lengths (EAGLE v2 with triton or FA3), real SGLang Reqs,"
+        "\nthe record and the per-request loop it ran before, interleaved"
+    )
+    for label, (p50, p99) in request_loop_us().items():
+        print(f"{label:>58} p50 {p50:6.1f}  p99 {p99:6.1f} µs")
+    print(
         "\nActuator wrapper (get_steps_for_batch + on_verify_complete), this process, real AdaptiveController"
     )
     for label, us in bench_wrapper():
         print(f"{label:>28} {us:>8.2f} µs/step")
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":
