@@ -171,6 +171,25 @@ def warm_reference_us(iters: int = 20000) -> float:
     return (time.thread_time_ns() - t0) / iters / 1000.0
 
 
+def bench_runtime() -> Any:
+    """The hook's runtime, installed in this process, with a real ClientThread ticking every 1 ms
+    toward a controller that is not there (records are built and dropped, as when one is down)."""
+    from controller.client import ClientThread, ControllerClient
+    from controller.protocol import Hello
+    from sglang_hook import compat, plugin
+    from sglang_hook.config import HookConfig
+
+    nobody = f"ipc://{tempfile.gettempdir()}/bench-hook-nobody.sock"
+    rt = plugin.HookRuntime(HookConfig(endpoint=nobody), compat.Ranks())
+    rt.instance, rt.hello_depths = "bench", (0, 1, 3, 5)
+    rt.state.valid = frozenset(rt.hello_depths)
+    rt.client = ClientThread(
+        ControllerClient(nobody, Hello("bench", rt.hello_depths)), build=rt.build_step, tick_ms=1
+    )
+    plugin.reset_runtime(rt)
+    return rt
+
+
 def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float, float]]:
     """The scheduler thread's share per step, through the hook's real functions, in this process.
 
@@ -186,19 +205,9 @@ def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float,
     import numpy as np
     from test_hook_actuator import RECEIVER, fake_decode_batch, fake_scheduler  # the tests' SGLang fakes
 
-    from controller.client import ClientThread, ControllerClient
-    from controller.protocol import Hello
-    from sglang_hook import compat, plugin
-    from sglang_hook.config import HookConfig
+    from sglang_hook import plugin
 
-    nobody = f"ipc://{tempfile.gettempdir()}/bench-hook-nobody.sock"
-    rt = plugin.HookRuntime(HookConfig(endpoint=nobody), compat.Ranks())
-    rt.instance, rt.hello_depths = "bench", (0, 1, 3, 5)
-    rt.state.valid = frozenset(rt.hello_depths)
-    rt.client = ClientThread(
-        ControllerClient(nobody, Hello("bench", rt.hello_depths)), build=rt.build_step, tick_ms=1
-    )
-    plugin.reset_runtime(rt)
+    rt = bench_runtime()
     scheduler = fake_scheduler()
     batch = fake_decode_batch(list(range(bs)))
     results = [
@@ -262,19 +271,9 @@ def request_loop_us(iters: int = 1500, bs: int = 64) -> dict[str, tuple[float, f
     from sglang.srt.sampling.sampling_params import SamplingParams
     from test_hook_actuator import fake_scheduler  # the tests' SGLang fakes
 
-    from controller.client import ClientThread, ControllerClient
-    from controller.protocol import Hello
-    from sglang_hook import compat, plugin
-    from sglang_hook.config import HookConfig
+    from sglang_hook import plugin
 
-    nobody = f"ipc://{tempfile.gettempdir()}/bench-hook-nobody.sock"
-    rt = plugin.HookRuntime(HookConfig(endpoint=nobody), compat.Ranks())
-    rt.instance, rt.hello_depths = "bench", (0, 1, 3, 5)
-    rt.state.valid = frozenset(rt.hello_depths)
-    rt.client = ClientThread(
-        ControllerClient(nobody, Hello("bench", rt.hello_depths)), build=rt.build_step, tick_ms=1
-    )
-    plugin.reset_runtime(rt)
+    rt = bench_runtime()
     reqs = []
     for i in range(bs):
         req = Req(f"r{i}", "", list(range(200 + i)), SamplingParams(max_new_tokens=512))
