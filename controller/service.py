@@ -320,20 +320,14 @@ class Server:
             self.close()
 
     def _busy_poll(self, spin_ns: int) -> None:
-        """Handle messages without sleeping until none came for ``spin_ns`` (``busy_poll_us``)."""
-        recv, receive, clock = self._sock.recv, self._receive, time.monotonic_ns
+        """:meth:`drain` without sleeping until nothing came for ``spin_ns`` (``busy_poll_us``)."""
+        clock = time.monotonic_ns
         until = clock() + spin_ns
         while not self._stop:
-            try:
-                ident = recv(_NOBLOCK)
-            except zmq.Again:
-                if clock() >= until:
-                    return
-                continue
-            receive(ident)
-            if self._dirty:
-                self.drain()
-            until = clock() + spin_ns
+            if self.drain():
+                until = clock() + spin_ns
+            elif clock() >= until:
+                return
 
     def drain(self, limit: int = FLUSH_EVERY) -> int:
         """Handle up to ``limit`` pending messages without blocking, then flush traces."""
