@@ -37,6 +37,23 @@ PY = sys.executable
 CONTROLLER = [PY, "-m", "controller.cli"]
 READY_S = 420.0  # server start-up on a loaded 2-core machine
 DECODE_RE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
+# A prefill that found nothing running: the scheduler was idle before it.
+IDLE_PREFILL_RE = re.compile(r"Prefill batch.*?#running-req: 0,")
+
+
+def decodes_after_idle(text: str) -> list[bool]:
+    """Per SGLang decode log line: whether a prefill that found nothing running came since the
+    previous decode line, i.e. the decode is the first after an idle gap."""
+    flags, idle = [], False
+    for line in text.splitlines():
+        if DECODE_RE.search(line):
+            flags.append(idle)
+            idle = False
+        elif IDLE_PREFILL_RE.search(line):
+            idle = True
+    return flags
+
+
 PROMPTS = [
     "the quick brown fox",
     "speculative decoding drafts tokens",
@@ -211,7 +228,10 @@ def test_one_record_per_decode_step_matching_sglangs_own_log(stack: Stack) -> No
         results += concurrent(stack.port, n, 24)
     assert all(r["meta_info"]["completion_tokens"] == 24 for r in results)
     time.sleep(1.0)  # the last records reach the controller's file
-    log = [(int(a), float(b)) for a, b in DECODE_RE.findall(stack.server.text())][log_before:]
+    text = stack.server.text()
+    log = [(int(a), float(b)) for a, b in DECODE_RE.findall(text)][log_before:]
+    after_idle = decodes_after_idle(text)[log_before:]
+    assert len(after_idle) == len(log)
     recs = step_records(stack.record)[recs_before:]
     # One record per decode step: SGLang logs every decode step (--decode-log-interval 1).
     assert len(recs) == len(log) > 0, (len(recs), len(log))
@@ -232,8 +252,10 @@ def test_one_record_per_decode_step_matching_sglangs_own_log(stack: Stack) -> No
     # time from one step to the next: per step only the bulk must agree; summed, it cancels.
     ours, theirs = [], []
     for i, (r, (bs, tput)) in enumerate(zip(recs, log, strict=True)):
-        if i == 0 or tput <= 1.0 or r["step_us"] <= 0:
-            continue  # first step after idle: SGLang's gap includes the idle time, ours does not
+        if i == 0 or after_idle[i] or tput <= 1.0 or r["step_us"] <= 0:
+            # First step after idle (before each wave, not only the first): SGLang's gap
+            # includes the idle time, ours does not.
+            continue
         server_us = bs * 1e6 / tput
         if server_us > 1e6:
             continue  # an idle gap between waves
