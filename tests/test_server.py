@@ -828,3 +828,41 @@ def test_a_message_over_1_mib_disconnects_only_its_sender(workdir: Path) -> None
         good.close()
         bad.close()
         assert server.stop() == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
+def test_zeromqs_own_threads_run_under_sched_batch_and_the_server_still_answers(workdir: Path) -> None:
+    # Why: a woken I/O thread preempted the serving thread mid-send (service._batch_threads).
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    server = Server(ServeConfig(policy="builtin:static:2", bind=ipc(workdir)))
+    try:
+        new = {int(t) for t in os.listdir("/proc/self/task")} - before
+        assert server.batched_threads == len(new) >= 1  # the I/O thread, and the reaper
+        assert {os.sched_getscheduler(t) for t in new} == {os.SCHED_BATCH}
+        assert os.sched_getscheduler(0) != os.SCHED_BATCH  # the serving thread keeps its own
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        peer = Peer(server.endpoint, zmq.Context.instance())
+        try:
+            peer.send(pack(Hello("b", DEPTHS).to_wire()))
+            assert peer.recv()["t"] == "welcome"
+            for seq in range(50):
+                peer.send(pack(step_wire("b", seq)))
+                reply = peer.recv()
+                assert (reply["t"], reply["seq"], reply["depth"]) == ("decision", seq, 2)
+        finally:
+            peer.close()
+            server.stop()
+            thread.join(5)
+    finally:
+        server.close()
+
+
+def test_a_server_on_a_given_context_leaves_its_threads_alone() -> None:
+    ctx = zmq.Context()
+    try:
+        server = Server(ServeConfig(policy="builtin:static:2", bind="inproc://own"), context=ctx)
+        assert server.batched_threads == 0
+        server.close()
+    finally:
+        ctx.term()
