@@ -258,10 +258,7 @@ class Server:
         check_endpoint(config.bind, curve=secret is not None)
         self._own_context = context is None
         self._ctx = zmq.Context() if context is None else context
-        before = _threads() if self._own_context else None
-        sock = self._ctx.socket(zmq.ROUTER)  # libzmq starts its I/O and reaper threads here
-        #: ZeroMQ's own threads made SCHED_BATCH (see _batch_threads); 0 where that failed
-        self.batched_threads = _batch_threads(_threads() - before) if before is not None else 0
+        sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
@@ -580,43 +577,6 @@ class Server:
     def instances(self) -> list[str]:
         """Instances with a live session."""
         return list(self._sessions)
-
-
-def _threads() -> set[int]:
-    """This process's thread ids (Linux); empty elsewhere."""
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
-def _batch_threads(tids: set[int]) -> int:
-    """Put ZeroMQ's threads (``tids``) under ``SCHED_BATCH``; return how many took it.
-
-    Why: every reply the serving thread sends is handed to the context's I/O thread, which
-    ZeroMQ wakes to write it. Linux tends to run the woken thread on the waker's CPU, and a
-    thread that slept preempts the one running there, so ``send`` returned only after the I/O
-    thread had written the reply: 16-18 µs of a 23-25 µs message→decision path on the
-    development box, on one CPU or two alike, against 1.2 µs for the send timed alone. A
-    ``SCHED_BATCH`` thread does not preempt on wake-up: it runs when the serving thread blocks
-    in its next ``recv`` (or on an idle CPU), so the send took 2.1 µs and the round trip the
-    hook sees stayed the same (bench/results/h200/README.md §5f). Set from here rather than
-    with libzmq's ``ZMQ_THREAD_SCHED_POLICY``, which aborts the process when the kernel refuses
-    (e.g. a seccomp profile without ``sched_setscheduler``); here a refusal just leaves the
-    thread as it was.
-    """
-    policy = getattr(os, "SCHED_BATCH", None)
-    if policy is None:
-        return 0
-    done = 0
-    for tid in tids:
-        try:
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-        except OSError as exc:
-            log.debug("ZeroMQ thread %d stays under its scheduling policy: %s", tid, exc)
-        else:
-            done += 1
-    return done
 
 
 def load_policy(spec: str) -> PolicyFactory:
