@@ -190,19 +190,35 @@ def bench_runtime() -> Any:
     return rt
 
 
+def cache_thrasher() -> Any:
+    """A function that evicts the caches before a timed call: a 16 MB array summed, a JSON dump,
+    regex matches; closer to what the hook meets after a GPU step than back-to-back calls."""
+    import json
+    import re
+
+    import numpy as np
+
+    big = np.ones(2 << 20)
+    junk = {f"k{i}": [i, str(i), {"x": i}] for i in range(3000)}
+    pattern = re.compile(r"(\w+)-(\d+)")
+
+    def thrash() -> None:
+        big.sum()
+        json.dumps(junk)
+        for i in range(500):
+            pattern.match(f"a-{i}")
+
+    return thrash
+
+
 def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float, float]]:
     """The scheduler thread's share per step, through the hook's real functions, in this process.
 
     ``batch_result_hook`` (the step record, handed to a real :class:`ClientThread` ticking every
     1 ms) and ``broadcast_hook`` (the iteration top), with SGLang's batch and result faked
     around a real ``ForwardMode`` at depth 3. Timed warm (back to back) and with the caches
-    thrashed before every call (a 16 MB array summed, a JSON dump, regex matches), which is
-    closer to what the hook meets after a GPU step. Returns (p50, p99) µs per row.
+    thrashed before every call (:func:`cache_thrasher`). Returns (p50, p99) µs per row.
     """
-    import json as _json
-    import re
-
-    import numpy as np
     from test_hook_actuator import RECEIVER, fake_decode_batch, fake_scheduler  # the tests' SGLang fakes
 
     from sglang_hook import plugin
@@ -215,15 +231,7 @@ def scheduler_path_us(iters: int = 1500, bs: int = 16) -> dict[str, tuple[float,
         for _ in range(4)
     ]
     receiver = RECEIVER
-    big = np.ones(2 << 20)
-    junk = {f"k{i}": [i, str(i), {"x": i}] for i in range(3000)}
-    pattern = re.compile(r"(\w+)-(\d+)")
-
-    def thrash() -> None:
-        big.sum()
-        _json.dumps(junk)
-        for i in range(500):
-            pattern.match(f"a-{i}")
+    thrash = cache_thrasher()
 
     def bcast(_receiver: Any, reqs: Any) -> Any:
         return reqs
@@ -263,9 +271,6 @@ def request_loop_us(iters: int = 1500, bs: int = 64) -> dict[str, tuple[float, f
     before (``sum(req.seqlen for req in batch.reqs)`` on the scheduler thread). Warm and with
     the caches thrashed before each call, as :func:`scheduler_path_us`. (p50, p99) µs per row.
     """
-    import json as _json
-
-    import numpy as np
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -284,8 +289,7 @@ def request_loop_us(iters: int = 1500, bs: int = 64) -> dict[str, tuple[float, f
     )
     result = SimpleNamespace(speculative_num_draft_tokens=4, num_correct_drafts_per_req_cpu=[1] * bs)
     scheduler = fake_scheduler()
-    big = np.ones(2 << 20)
-    junk = {f"k{i}": [i, str(i), {"x": i}] for i in range(3000)}
+    thrash = cache_thrasher()
 
     def process(_scheduler: Any, _batch: Any, _result: Any) -> None:
         return None
@@ -300,14 +304,12 @@ def request_loop_us(iters: int = 1500, bs: int = 64) -> dict[str, tuple[float, f
             suffix = ", cold" if cold else ", warm"
             for _ in range(iters):
                 if cold:
-                    big.sum()
-                    _json.dumps(junk)
+                    thrash()
                 t0 = time.perf_counter_ns()
                 plugin.batch_result_hook(process, scheduler, batch, result)
                 rows[new + suffix].append((time.perf_counter_ns() - t0) / 1000.0)
                 if cold:
-                    big.sum()
-                    _json.dumps(junk)
+                    thrash()
                 t0 = time.perf_counter_ns()
                 sum(req.seqlen for req in batch.reqs)
                 rows[old + suffix].append((time.perf_counter_ns() - t0) / 1000.0)
