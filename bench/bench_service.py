@@ -25,8 +25,9 @@ Rows (every number measured in this run; ratios side by side, interleaved in blo
    then releases it for 800 µs (a GPU wait), as a scheduler does.
 
 Plus a breakdown of the in-controller path measured in-process on the server's CPU (decode,
-Featurizer, MLP), next to a fixed piece of pure Python (the hook profiler's reference), and
-the in-controller p50 in units of it: lent hosts differ by more than 1.6x in Python speed.
+Featurizer, MLP, and the last two in the one compiled call serve makes), next to a fixed piece
+of pure Python (the hook profiler's reference), and the in-controller p50 in units of it: lent
+hosts differ by more than 1.6x in Python speed.
 Servers and the echo run as separate processes. Where the machine has the cores, the server
 runs on CPUs of physical cores of their own, away from CPU 0 (interrupts), and the load
 generator on other physical cores; one row repeats the in-controller timing on the first
@@ -496,6 +497,17 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         finally:
             mlp._compiled = compiled  # type: ignore[union-attr]
         parts["reference: the MLP in numpy (no numba)"] = ref
+    # What serve runs for a PPO zip: the Featurizer and the MLP in one compiled call.
+    prepare = getattr(factory, "prepare_serving", None)
+    if prepare is not None:
+        prepare()
+        fused_policy, fused_feat, fused = factory(DEPTHS), Featurizer(DEPTHS), []
+        if fused_policy.fused is not None:
+            for st in steps:
+                t0 = time.perf_counter_ns()
+                fused_feat.update_with(st, fused_policy.fused)
+                fused.append(time.perf_counter_ns() - t0)
+            parts["featurize + policy in one fused call (serve's path)"] = fused
     parts["reply send (2 frames, ROUTER to ipc peer)"] = reply_send_ns(n)
     skip = n // 10
     return {k: (pct(v[skip:], 50), pct(v[skip:], 99)) for k, v in parts.items()}

@@ -11,8 +11,10 @@ Compiled functions are cached on disk (``cache=True``, in ``__pycache__`` next t
 the first process compiles them (all of them: ~6.5 s on the 2-core development box), later
 processes load the machine code (~0.5 s, plus ~0.3 s to import numba). numba invalidates a
 cached function when its own source file changes, not when a compiled function it calls
-from another file does; so no kernel here calls a kernel of another module (a stale cache
-would otherwise keep running old code; ``tests/test_jit_parity.py`` would catch it).
+from another file does; so no cached kernel calls a kernel of another module (a stale cache
+would otherwise keep running old code; ``tests/test_jit_parity.py`` would catch it). Kernels
+that do (the serving path's fused Featurizer + policy kernel) are compiled per process with
+:func:`njit_uncached`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,18 @@ def maybe_njit(fn: F) -> F:
     if _NUMBA is None:
         return fn
     return _NUMBA.njit(cache=True)(fn)  # type: ignore[no-any-return]
+
+
+def njit_uncached(fn: F) -> F | None:
+    """``numba.njit(fn)`` compiled in this process only, or None when :data:`JIT_ENABLED` is off.
+
+    For kernels that join kernels of other modules, or build in data of this process as
+    constants (a policy's weights): numba's disk cache could not tell when those change.
+    Callers keep a plain-Python path for None.
+    """
+    if _NUMBA is None:
+        return None
+    return _NUMBA.njit(fn)  # type: ignore[no-any-return]
 
 
 def maybe_njit_reassoc(fn: F) -> F:

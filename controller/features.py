@@ -42,12 +42,15 @@ feature                    meaning
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
-from controller._jit import maybe_njit
+from controller._jit import maybe_njit, njit_uncached
 from controller.protocol import Step
+
+T = TypeVar("T")
 
 FEATURIZER_VERSION = 2
 
@@ -213,6 +216,15 @@ class Featurizer:
         Raises:
             ValueError: a speculative record deeper than the deepest allowed depth.
         """
+        return self.update_with(step, _fold)  # type: ignore[no-any-return]
+
+    def update_with(self, step: Step, kernel: Callable[..., T]) -> T:
+        """Fold one record in with ``kernel`` and return what it returns.
+
+        ``kernel`` takes :func:`_fold`'s arguments: :func:`_fold` itself (that is
+        :meth:`update`), or a kernel made by :func:`fuse`, which folds the record exactly as
+        :meth:`update` does and consumes the observation in the same compiled call.
+        """
         accept = step.accept
         try:
             # A bytearray is the cheapest array numba accepts from a list of small ints;
@@ -220,7 +232,7 @@ class Featurizer:
             acc_arr: bytearray | np.ndarray = bytearray(accept)
         except ValueError:
             acc_arr = np.array(accept, dtype=np.int64)
-        return _fold(
+        return kernel(
             self._state,
             self._depths,
             acc_arr,
@@ -232,6 +244,35 @@ class Featurizer:
             float(step.kv_usage),
             step.prefill_tokens,
         )
+
+
+def fuse(consume: Callable[[np.ndarray], T]) -> Callable[..., T] | None:
+    """A compiled kernel for :meth:`Featurizer.update_with` that hands the observation to ``consume``.
+
+    ``consume`` is a compiled (numba) function of the observation alone, e.g. a policy with its
+    weights built in. Featurizing and consuming in one call from Python saves the second call's
+    argument checks and the observation's trip through Python: about 1 µs per decision on the
+    development box, a fifth of the controller's work per step. Returns None when numba is off.
+    Compiled in this process (~0.4 s), never cached on disk (see :mod:`controller._jit`).
+    """
+
+    def fold_then(
+        st: np.ndarray,
+        depths: np.ndarray,
+        accept: bytearray | np.ndarray,
+        depth: int,
+        bs: int,
+        waiting: int,
+        step_us: int,
+        ctx_tokens: int,
+        kv_usage: float,
+        prefill_tokens: int,
+    ) -> T:
+        return consume(
+            _fold(st, depths, accept, depth, bs, waiting, step_us, ctx_tokens, kv_usage, prefill_tokens)
+        )
+
+    return njit_uncached(fold_then)
 
 
 def warm_up() -> None:

@@ -24,16 +24,16 @@ import io
 import json
 import logging
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 
-from controller._jit import JIT_ENABLED, maybe_njit_reassoc
+from controller._jit import JIT_ENABLED, maybe_njit_reassoc, njit_uncached
 from controller.errors import PolicyLoadError
-from controller.features import FEATURIZER_VERSION, Featurizer
+from controller.features import FEATURIZER_VERSION, Featurizer, fuse
 from controller.protocol import Step
 
 META_NAME: Final = "specdepth.json"
@@ -221,6 +221,19 @@ class MLP:
                 )
             else:
                 self._compiled = compiled
+
+    def argmax_kernel(self) -> Callable[[np.ndarray], int] | None:
+        """A compiled ``obs -> action`` with this MLP's weights built in as constants, for
+        :func:`controller.features.fuse`; None without numba. Compiles in this process
+        (~0.4 s together with the fused kernel), so call it once per loaded policy."""
+        layers, relu = self._compiled, self._relu
+        if layers is None:
+            return None
+
+        def argmax(x: np.ndarray) -> int:
+            return _mlp_argmax(x, layers, relu)  # type: ignore[no-any-return]
+
+        return njit_uncached(argmax)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Action logits for one observation (1-D) or a batch (2-D)."""
@@ -435,14 +448,21 @@ class PPOPolicy:
 
     Stateless unless ``frame_stack > 1``, in which case it keeps the last observations of its
     own instance (one policy object per instance, made by the factory).
+
+    Attributes:
+        fused: after :meth:`PPOFactory.prepare_serving`, a kernel that featurizes and acts in
+            one compiled call: ``featurizer.update_with(step, policy.fused)`` is
+            ``policy.act(featurizer.update(step), step)``, the same state and the same action.
+            None otherwise (and for stacked frames, which keep their stack in Python).
     """
 
-    def __init__(self, name: str, mlp: MLP, meta: PPOMeta) -> None:
+    def __init__(self, name: str, mlp: MLP, meta: PPOMeta, fused: Callable[..., int] | None = None) -> None:
         self.name = name
         self.meta = meta
         self._mlp = mlp
         self._k = meta.frame_stack
         self._stack: np.ndarray | None = None
+        self.fused = fused if self._k == 1 else None
 
     def reset(self) -> None:
         self._stack = None
@@ -472,10 +492,34 @@ class PPOFactory:
         self.meta = meta
         self.name = f"ppo:{path.name}"
         self._mlp = mlp
+        self._fused: Callable[..., int] | None = None
+
+    def prepare_serving(self) -> None:
+        """Build the fused Featurizer + MLP kernel that policies made from now on decide with
+        (see :attr:`PPOPolicy.fused`): ~0.4 s, once; ``controller serve`` calls it before it
+        binds. Without numba, for stacked frames, or if it cannot be built (logged), policies
+        take the two-call path, which decides the same."""
+        if self._fused is not None or self.meta.frame_stack != 1:
+            return
+        try:
+            consume = self._mlp.argmax_kernel()
+            fused = fuse(consume) if consume is not None else None
+            if fused is not None:  # compile now, not on the first decision
+                Featurizer(self.meta.depths).update_with(
+                    Step("warm-up", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1), fused
+                )
+        except Exception as exc:
+            log.warning(
+                "cannot compile the fused policy kernel (%s: %s); serving in two calls",
+                type(exc).__name__,
+                exc,
+            )
+            return
+        self._fused = fused
 
     def __call__(self, depths: tuple[int, ...]) -> PPOPolicy:
         check_compatible(self.meta, depths, where=str(self.path))
-        return PPOPolicy(self.name, self._mlp, self.meta)
+        return PPOPolicy(self.name, self._mlp, self.meta, self._fused)
 
 
 def load_ppo_factory(path: str | Path, depths: Sequence[int] | None = None) -> PPOFactory:

@@ -41,6 +41,7 @@ import socket
 import time
 from array import array
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,7 @@ class _Session:
         "depths",
         "featurizer",
         "policy",
+        "fused",
         "last_seq",
         "writer",
         "active",
@@ -209,6 +211,8 @@ class _Session:
         self.depths = depths
         self.featurizer = Featurizer(depths)
         self.policy = policy
+        # The policy's fused Featurizer + policy kernel, if it has one (PPOPolicy.fused).
+        self.fused: Callable[..., int] | None = getattr(policy, "fused", None)
         self.last_seq: int | None = None
         self.writer = writer
         self.active = 0
@@ -242,6 +246,9 @@ class Server:
     ) -> None:
         self.config = config
         self.factory = factory if factory is not None else load_policy(config.policy)
+        prepare = getattr(self.factory, "prepare_serving", None)
+        if prepare is not None:  # e.g. compile a PPO zip's fused kernel now, not at the first step
+            prepare()
         # Before binding: a hook that connects must get its first decision at full speed, not
         # after numba compiled (or loaded) the Featurizer on that first step.
         warm_up_featurizer()
@@ -390,7 +397,11 @@ class Server:
         if step.depth not in depths or (last_seq is not None and seq <= last_seq):
             check_step(step, depths, last_seq)  # raises the precise error
         session.last_seq = seq
-        action = session.policy.act(session.featurizer.update(step), step)
+        fused = session.fused
+        if fused is None:
+            action = session.policy.act(session.featurizer.update(step), step)
+        else:  # the same state and action in one compiled call (~1 µs less)
+            action = session.featurizer.update_with(step, fused)
         if not 0 <= action < len(depths):
             raise RuntimeError(
                 f"policy {self.factory.name} answered action {action} for {len(depths)} depths"
@@ -460,6 +471,7 @@ class Server:
             session.depths = hello.depths
             session.featurizer = Featurizer(hello.depths)
             session.policy = policy
+            session.fused = getattr(policy, "fused", None)
             session.last_seq = None
             policy.reset()
             log.info("hello again from %r: session restarted, depths %s", hello.instance, list(hello.depths))

@@ -254,7 +254,10 @@ def test_frame_stacked_policy_stacks_its_own_observations(tmp_path):
     path = tmp_path / "stack.zip"
     model.save(path)
     write_metadata(path, meta_for(DEPTHS, (16,), frame_stack=3))
-    policy = load_ppo_factory(path, DEPTHS)(DEPTHS)
+    factory = load_ppo_factory(path, DEPTHS)
+    factory.prepare_serving()  # the stack lives in Python: no fused kernel for it
+    policy = factory(DEPTHS)
+    assert policy.fused is None
     obs = _observations(n=40)[:20]
     dummy = Step("i", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1)
     history = [obs[0], obs[0]]
@@ -299,3 +302,72 @@ def test_a_policy_numba_cannot_compile_is_served_with_numpy(tmp_path, monkeypatc
     expected, _ = model.predict(obs, deterministic=True)
     dummy = Step("i", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1)
     assert [policy.act(o, dummy) for o in obs] == expected.tolist()
+
+
+def _step_stream(n: int, seed: int, depths=DEPTHS) -> list[Step]:
+    rng = random.Random(seed)
+    out = []
+    for seq in range(1, n + 1):
+        d = rng.choice(depths)
+        bs = rng.randint(1, 250)
+        accept = [min(d, int(rng.expovariate(0.6))) for _ in range(bs)] if d else []
+        out.append(
+            Step(
+                "i",
+                seq,
+                d,
+                bs,
+                rng.randint(0, 50),
+                accept,
+                rng.randint(3000, 90000),
+                bs * rng.randint(100, 8000),
+                rng.random(),
+                rng.randint(0, 4000),
+                seq,
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    "activation,arch", [("tanh", (64, 64)), ("relu", (64, 64)), ("tanh", (16,)), ("relu", (32, 32, 32))]
+)
+def test_the_fused_kernel_featurizes_and_acts_exactly_as_two_calls(tmp_path, activation, arch):
+    if not JIT_ENABLED:
+        pytest.skip("numba is not installed or disabled")
+    model, path = _save_model(tmp_path, activation=activation, arch=arch)
+    factory = load_ppo_factory(path, DEPTHS)
+    assert factory(DEPTHS).fused is None  # not before prepare_serving: loading stays cheap
+    factory.prepare_serving()
+    policy = factory(DEPTHS)
+    assert policy.fused is not None
+    two, one = Featurizer(DEPTHS), Featurizer(DEPTHS)
+    obs, got = [], []
+    for step in _step_stream(3000, seed=5):
+        o = two.update(step)
+        obs.append(o)
+        a = policy.act(o, step)
+        b = one.update_with(step, policy.fused)
+        got.append(b)
+        assert a == b, f"step {step.seq}: two calls chose {a}, the fused kernel {b}"
+        assert np.array_equal(one._state, two._state)
+    expected, _ = model.predict(np.array(obs), deterministic=True)
+    assert len(set(got)) > 1, "the test network should use several actions"
+    assert got == expected.tolist()
+
+
+def test_a_fused_kernel_that_cannot_be_built_leaves_the_two_call_path(tmp_path, monkeypatch, caplog):
+    import controller.ppo_policy as ppo_policy
+
+    if not JIT_ENABLED:
+        pytest.skip("numba is not installed or disabled")
+    _, path = _save_model(tmp_path, arch=(16,))
+
+    def broken(consume):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(ppo_policy, "fuse", broken)
+    factory = load_ppo_factory(path, DEPTHS)
+    factory.prepare_serving()
+    assert factory(DEPTHS).fused is None
+    assert "serving in two calls" in caplog.text
