@@ -34,6 +34,11 @@ class Policy(Protocol):
         """Return an index into the allowed depths, given the Featurizer's observation of
         ``step`` and the record itself."""
 
+    # A policy may also carry ``fused``: a compiled kernel that featurizes and acts in one call
+    # (:attr:`controller.ppo_policy.PPOPolicy.fused`). The service then calls
+    # ``featurizer.update_with(step, policy.fused)`` instead of ``act(featurizer.update(step))``;
+    # both must give the same state and action.
+
 
 class PolicyFactory(Protocol):
     """Builds one :class:`Policy` per instance for a given tuple of allowed depths."""
