@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -256,21 +256,8 @@ def fuse(consume: Callable[[np.ndarray], T]) -> Callable[..., T] | None:
     Compiled in this process (~0.4 s), never cached on disk (see :mod:`controller._jit`).
     """
 
-    def fold_then(
-        st: np.ndarray,
-        depths: np.ndarray,
-        accept: bytearray | np.ndarray,
-        depth: int,
-        bs: int,
-        waiting: int,
-        step_us: int,
-        ctx_tokens: int,
-        kv_usage: float,
-        prefill_tokens: int,
-    ) -> T:
-        return consume(
-            _fold(st, depths, accept, depth, bs, waiting, step_us, ctx_tokens, kv_usage, prefill_tokens)
-        )
+    def fold_then(*fold_args: Any) -> T:  # _fold's arguments, passed on as they came
+        return consume(_fold(*fold_args))
 
     return njit_uncached(fold_then)
 

@@ -74,29 +74,36 @@ def _save_model(tmp_path: Path, depths=DEPTHS, activation: str = "tanh", arch=(6
     return model, path
 
 
-def _observations(depths=DEPTHS, n: int = 3000, seed: int = 0) -> np.ndarray:
-    """Real Featurizer outputs from a random step stream, plus Gaussian noise rows."""
+def _step_stream(n: int, depths=DEPTHS, seed: int = 0) -> list[Step]:
+    """A random step stream: mixed depths, batch sizes 1-250, acceptance uniform in 0..depth."""
     rng = random.Random(seed)
-    feat = Featurizer(depths)
-    rows = []
-    for seq in range(1, n // 2 + 1):
+    out = []
+    for seq in range(1, n + 1):
         d = rng.choice(depths)
         bs = rng.randint(1, 250)
         accept = [rng.randint(0, d) for _ in range(bs)] if d else []
-        step = Step(
-            "i",
-            seq,
-            d,
-            bs,
-            rng.randint(0, 50),
-            accept,
-            rng.randint(3000, 90000),
-            bs * rng.randint(100, 8000),
-            rng.random(),
-            rng.randint(0, 4000),
-            seq,
+        out.append(
+            Step(
+                "i",
+                seq,
+                d,
+                bs,
+                rng.randint(0, 50),
+                accept,
+                rng.randint(3000, 90000),
+                bs * rng.randint(100, 8000),
+                rng.random(),
+                rng.randint(0, 4000),
+                seq,
+            )
         )
-        rows.append(feat.update(step))
+    return out
+
+
+def _observations(depths=DEPTHS, n: int = 3000, seed: int = 0) -> np.ndarray:
+    """Real Featurizer outputs from a random step stream, plus Gaussian noise rows."""
+    feat = Featurizer(depths)
+    rows = [feat.update(step) for step in _step_stream(n // 2, depths, seed)]
     noise = np.random.default_rng(seed).normal(0, 1.5, (n - len(rows), feat.obs_dim)).astype(np.float32)
     return np.vstack([np.array(rows), noise])
 
@@ -302,31 +309,6 @@ def test_a_policy_numba_cannot_compile_is_served_with_numpy(tmp_path, monkeypatc
     expected, _ = model.predict(obs, deterministic=True)
     dummy = Step("i", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1)
     assert [policy.act(o, dummy) for o in obs] == expected.tolist()
-
-
-def _step_stream(n: int, seed: int, depths=DEPTHS) -> list[Step]:
-    rng = random.Random(seed)
-    out = []
-    for seq in range(1, n + 1):
-        d = rng.choice(depths)
-        bs = rng.randint(1, 250)
-        accept = [min(d, int(rng.expovariate(0.6))) for _ in range(bs)] if d else []
-        out.append(
-            Step(
-                "i",
-                seq,
-                d,
-                bs,
-                rng.randint(0, 50),
-                accept,
-                rng.randint(3000, 90000),
-                bs * rng.randint(100, 8000),
-                rng.random(),
-                rng.randint(0, 4000),
-                seq,
-            )
-        )
-    return out
 
 
 @pytest.mark.parametrize(
