@@ -22,7 +22,7 @@ before the fused kernel), side by side in one run. Columns, µs at p50 (total al
 - wake: the hook's send -> the serving thread back from ``recv`` with it (not in the total);
 - decode / validate: ``unpack`` / ``parse_step``;
 - decide: the Featurizer and the policy (one fused call, or two);
-- reply: building and sending the decision (two ``send`` calls);
+- reply: the two ``send`` calls of the decision (its bytes are built between decide and reply);
 - total: serve's own measure, message received -> decision sent (``--latency-log``),
   which includes the wrappers' clock reads.
 """
