@@ -178,6 +178,22 @@ def quiet_cores(cores: list[int], n: int) -> list[int]:
     return chosen or cores[:1]
 
 
+def placement(cores: list[int]) -> tuple[list[int], set[int], set[int]]:
+    """Where the server and the load run: (server CPUs, those and their SMT siblings, load CPUs).
+
+    The server gets up to two quiet CPUs (:func:`quiet_cores`: two where there are >= 4). The
+    load generator stays off the server's physical cores and, where the server has two, off
+    CPUs 0 and 1 (the comparison placement of ``main``).
+    """
+    quiet = quiet_cores(cores, 2 if len(cores) >= 4 else 1)
+    own = set().union(*map(siblings, quiet))
+    busy = set(own)
+    if len(quiet) >= 2:
+        busy |= siblings(cores[0]) | siblings(cores[1])
+    driver = (set(cores) - busy or set(cores) - set(quiet)) if len(cores) > 1 else set(cores)
+    return quiet, own, driver
+
+
 class Proc:
     """A server or echo subprocess, optionally pinned to some cores."""
 
@@ -572,14 +588,8 @@ def main() -> int:
     else:
         policy = make_ppo_zip(tmp / "ppo.zip")
     cores = cores_available()
-    quiet = quiet_cores(cores, 2 if len(cores) >= 4 else 1)
+    quiet, own, driver_cores = placement(cores)
     server_cores = {quiet[0]} if len(cores) > 1 else None
-    # The load generator stays off the server's physical cores (their SMT siblings too).
-    own = set().union(*map(siblings, quiet))  # the server's CPUs and their SMT siblings
-    busy = set(own)
-    if len(quiet) >= 2:  # and off the comparison placement's CPUs 0 and 1 (below)
-        busy |= siblings(cores[0]) | siblings(cores[1])
-    driver_cores = (set(cores) - busy or set(cores) - set(quiet)) if len(cores) > 1 else set(cores)
     pin(driver_cores)
     load = os.getloadavg()
     print(

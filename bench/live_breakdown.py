@@ -152,13 +152,8 @@ def main() -> int:
 
     B.DEPTHS = read_ppo_zip(args.policy)[0].depths
     cores = B.cores_available()
-    # bench_service's placement: two quiet CPUs for the server, the load elsewhere.
-    quiet = B.quiet_cores(cores, 2 if len(cores) >= 4 else 1)
-    own = set().union(*map(B.siblings, quiet))
-    driver = (
-        (set(cores) - own - B.siblings(cores[0]) - B.siblings(cores[1])) if len(cores) >= 4 else set(cores)
-    )
-    B.pin(driver or set(cores))
+    quiet, _, driver = B.placement(cores)  # bench_service's: the server's CPUs, the load elsewhere
+    B.pin(driver)
     print(
         f"# {len(cores)} cores, server on CPUs {sorted(quiet)}, load on {sorted(driver)}; "
         f"load avg {os.getloadavg()[0]:.2f}; policy {args.policy}",
