@@ -262,13 +262,18 @@ def fuse(consume: Callable[[np.ndarray], T]) -> Callable[..., T] | None:
     return njit_uncached(fold_then)
 
 
-def warm_up() -> None:
-    """Compile the Featurizer kernel now (or load it from numba's cache): 0.5-6 s, once per process.
+def warm_up(kernel: Callable[..., Any] | None = None, depths: Sequence[int] = (0, 1)) -> None:
+    """Compile ``kernel`` now (or load it from numba's cache): 0.5-6 s, once per process.
 
-    ``controller serve`` calls this before it binds, so a (re)started controller's first
-    decision does not wait for the compiler (without numba this costs microseconds).
+    By default the Featurizer's own kernel; a kernel made by :func:`fuse` needs the depths
+    its consumer was built for (their observation size). ``controller serve`` calls this
+    before it binds, so a (re)started controller's first decision does not wait for the
+    compiler (without numba this costs microseconds).
     """
-    Featurizer((0, 1)).update(Step("warm-up", 1, 1, 2, 0, [1, 0], 1000, 100, 0.5, 0, 0))
+    # Depth 0 is valid for any depths (a deeper record than the deepest allowed raises);
+    # numba compiles for the argument types, which every record shares.
+    step = Step("warm-up", 1, 0, 1, 0, [], 1000, 100, 0.5, 0, 0)
+    Featurizer(depths).update_with(step, _fold if kernel is None else kernel)
 
 
 @maybe_njit

@@ -33,7 +33,7 @@ import numpy as np
 
 from controller._jit import JIT_ENABLED, maybe_njit_reassoc, njit_uncached
 from controller.errors import PolicyLoadError
-from controller.features import FEATURIZER_VERSION, Featurizer, fuse
+from controller.features import FEATURIZER_VERSION, Featurizer, fuse, warm_up
 from controller.protocol import Step
 
 META_NAME: Final = "specdepth.json"
@@ -505,9 +505,7 @@ class PPOFactory:
             consume = self._mlp.argmax_kernel()
             fused = fuse(consume) if consume is not None else None
             if fused is not None:  # compile now, not on the first decision
-                Featurizer(self.meta.depths).update_with(
-                    Step("warm-up", 1, 0, 1, 0, [], 1, 1, 0.0, 0, 1), fused
-                )
+                warm_up(fused, self.meta.depths)
         except Exception as exc:
             log.warning(
                 "cannot compile the fused policy kernel (%s: %s); serving in two calls",
