@@ -20,6 +20,7 @@ metric                                      meaning
 ``decision_latency_seconds``                histogram: message received → decision sent
 ``instances_connected``                     instances with a live session (hello seen, not evicted)
 ``instances_evicted_total``                 sessions dropped to keep memory bounded
+``spin_seconds_total``                      time hybrid polling spent polling without sleeping
 ==========================================  ======================================================
 """
 
@@ -61,6 +62,7 @@ class ServiceStats:
         self.errors: dict[str, int] = dict.fromkeys(ERROR_CODES, 0)
         self.latency_counts = [0] * (len(LATENCY_BUCKETS_NS) + 1)  # last slot: +Inf
         self.latency_sum_ns = 0
+        self.spin_ns = 0  # hybrid polling: time spent polling without sleeping
 
     def observe_latency(self, ns: int) -> None:
         """Count one decision latency (ns) in its histogram bucket."""
@@ -134,6 +136,11 @@ class _Collector:
             sum_value=s.latency_sum_ns / 1e9,
         )
         yield GaugeMetricFamily(p + "instances_connected", "Instances with a live session", s.instances)
+        yield CounterMetricFamily(
+            p + "spin_seconds",
+            "Time hybrid polling spent polling the socket without sleeping",
+            s.spin_ns / 1e9,
+        )
 
 
 def make_registry(stats: ServiceStats) -> Any:

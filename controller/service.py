@@ -36,6 +36,7 @@ import errno
 import ipaddress
 import logging
 import os
+import select
 import signal
 import socket
 import time
@@ -44,7 +45,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import zmq
@@ -54,6 +55,7 @@ from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.features import warm_up as warm_up_featurizer
 from controller.metrics import LATENCY_BUCKETS_NS, ServiceStats
 from controller.policy import Policy, PolicyFactory, StaticPolicy, make_factory
+from controller.polling import Cadence, SpinPlanner, usable_cpus
 from controller.protocol import (
     DEFAULT_ENDPOINT,
     MAX_DEPTH,
@@ -74,6 +76,7 @@ POLL_MS = 100  # how often the loop wakes up to notice a stop request when idle
 # Plain ints: pyzmq's flags are IntFlag members, and `int & IntFlag` builds a new enum member
 # (about 1 µs per message in the old drain loop).
 _NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _SEND_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 # pyzmq's own send, without the Python layer of zmq.Socket.send (routing_id/group/list
 # handling this server never uses): ≈0.5 µs less per call, two calls per decision.
@@ -99,12 +102,19 @@ class ServeConfig:
         trace_flush_bytes: pending trace bytes that force a flush between drains.
         latency_log: write every decision latency (ns, int64 little-endian) here at exit,
             for ``bench/``; None in production.
+        poll: how the serving thread waits for the next message. ``"hybrid"``: sleep on the
+            socket, but poll it without sleeping around the moment each instance's next step
+            is due (:mod:`controller.polling`), within ``spin_budget``; it falls back to
+            ``"block"`` where the process has fewer than 2 CPUs (a spinning thread would
+            starve ZeroMQ's I/O thread). ``"block"``: sleep on the socket until a message
+            comes.
+        spin_budget: the most time ``"hybrid"`` polls without sleeping, as a fraction of one
+            core averaged over a second.
         busy_poll_us: after each message, keep polling the socket without sleeping for this
-            long before blocking again (0 = block at once). While steps flow the serving thread
-            then never sleeps: its core stays awake and its caches warm, which shortens the
-            path from message to decision, at the price of up to one busy core. An idle server
-            still sleeps. Needs a second core for ZeroMQ's I/O thread, which the polling
-            thread would otherwise starve.
+            long before waiting as ``poll`` says (0 = wait at once). With a value longer than a
+            decode step the serving thread never sleeps while steps flow, at the price of up
+            to one busy core. An idle server still sleeps. Needs a second core for ZeroMQ's
+            I/O thread, which the polling thread would otherwise starve.
     """
 
     policy: str
@@ -115,9 +125,12 @@ class ServeConfig:
     curve_secret_key_file: str | None = None
     trace_flush_bytes: int = 1 << 16
     latency_log: str | None = None
+    poll: str = "hybrid"
+    spin_budget: float = 0.5
     busy_poll_us: int = 0
 
 
+POLL_MODES = ("hybrid", "block")
 MAX_BUSY_POLL_US = 1_000_000  # `--busy-poll-us` above a second is a busy core, not a latency knob
 
 
@@ -202,6 +215,7 @@ class _Session:
         "active",
         "ident",
         "decision_head",
+        "cadence",
     )
 
     def __init__(
@@ -222,6 +236,7 @@ class _Session:
         # whole map: a fixmap of 5 entries in this key order).
         head = _pack({"t": "decision", "v": PROTOCOL_VERSION, "instance": instance})
         self.decision_head = b"\x85" + head[1:] + _pack("seq")
+        self.cadence = Cadence()  # when its steps come, for hybrid polling
 
 
 class Server:
@@ -245,6 +260,10 @@ class Server:
         context: zmq.Context | None = None,  # type: ignore[type-arg]
     ) -> None:
         self.config = config
+        if config.poll not in POLL_MODES:
+            raise ConfigError(f"poll {config.poll!r}: must be one of {', '.join(POLL_MODES)}")
+        if not 0 < config.spin_budget <= 1:
+            raise ConfigError(f"spin budget {config.spin_budget}: must be in (0, 1]")
         self.factory = factory if factory is not None else load_policy(config.policy)
         prepare = getattr(self.factory, "prepare_serving", None)
         if prepare is not None:  # e.g. compile a PPO zip's fused kernel now, not at the first step
@@ -253,6 +272,18 @@ class Server:
         # after numba compiled (or loaded) the Featurizer on that first step.
         warm_up_featurizer()
         self.stats = ServiceStats()
+        # How the loop waits; `poll_mode` says what this process does, after the CPU check.
+        self.poll_mode = config.poll
+        self._planner: SpinPlanner | None = None
+        if config.poll == "hybrid":
+            cpus = usable_cpus()
+            if cpus < 2:
+                self.poll_mode = "block"
+                log.info(
+                    "hybrid polling off: %.3g CPUs usable, ZeroMQ's I/O thread needs one of its own", cpus
+                )
+            else:
+                self._planner = SpinPlanner(config.spin_budget, POLL_MS * 1_000_000)
         self._sessions: dict[str, _Session] = {}
         self._dirty: set[TraceWriter] = set()
         self._tick = 0
@@ -303,6 +334,15 @@ class Server:
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop`; then flush and close everything."""
+        try:
+            if self._planner is not None:
+                self._serve_hybrid(self._planner)
+            else:
+                self._serve_blocking()
+        finally:
+            self.close()
+
+    def _serve_blocking(self) -> None:
         sock = self._sock
         # A blocking recv with a timeout instead of poll() then recv(): it returns as soon as
         # a message is queued, so a busy loop never pays for a poll (≈3 µs) or a readiness
@@ -310,21 +350,44 @@ class Server:
         sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
         recv, receive = sock.recv, self._receive
         spin_ns = self.config.busy_poll_us * 1000
-        try:
-            while not self._stop:
-                try:
-                    ident = recv()
-                except zmq.Again:  # idle for POLL_MS: look at _stop again
-                    continue
-                receive(ident)
-                if self._dirty:
-                    # Recording: the socket must be drained before the flush (the crash-safety
-                    # contract); without recording, the blocking recv above is the next check.
-                    self.drain()
+        while not self._stop:
+            try:
+                ident = recv()
+            except zmq.Again:  # idle for POLL_MS: look at _stop again
+                continue
+            receive(ident)
+            if self._dirty:
+                # Recording: the socket must be drained before the flush (the crash-safety
+                # contract); without recording, the blocking recv above is the next check.
+                self.drain()
+            if spin_ns:
+                self._busy_poll(spin_ns)
+
+    def _serve_hybrid(self, planner: SpinPlanner) -> None:
+        """Sleep on the socket, but poll it without sleeping while a step is due (see ``poll``)."""
+        sock, drain, clock, stats = self._sock, self.drain, time.monotonic_ns, self.stats
+        # Integer options: getsockopt returns int (its type says int | bytes for all options).
+        getsockopt = cast("Callable[[int], int]", sock.getsockopt)
+        wait = _fd_waiter(getsockopt(zmq.FD))
+        spin_ns = self.config.busy_poll_us * 1000
+        while not self._stop:
+            if drain():  # handled messages (and flushed traces): look again before waiting
                 if spin_ns:
                     self._busy_poll(spin_ns)
-        finally:
-            self.close()
+                continue
+            now = clock()
+            spin, until = planner.plan(now)
+            if spin:
+                t = now
+                while not self._stop and t < until and not drain():
+                    t = clock()
+                planner.spent(t - now)
+                stats.spin_ns += t - now
+                continue
+            # Sleep until a message comes or `until`. ZeroMQ's FD only says that the socket's
+            # state may have changed, and only after EVENTS has been read: read it first.
+            if not getsockopt(_EVENTS) & _POLLIN:
+                wait(max(until - now, 0))
 
     def _busy_poll(self, spin_ns: int) -> None:
         """:meth:`drain` without sleeping until nothing came for ``spin_ns`` (``busy_poll_us``)."""
@@ -430,6 +493,8 @@ class Server:
         decisions[depth] = decisions.get(depth, 0) + 1
         self._tick += 1
         session.active = self._tick
+        if self._planner is not None:
+            self._planner.note(session.cadence, rx_ns)
         writer = session.writer
         if writer is not None:
             try:
@@ -591,6 +656,17 @@ class Server:
         return list(self._sessions)
 
 
+def _fd_waiter(fd: int) -> Callable[[int], object]:
+    """A wait for ``fd`` to become readable, at most ``timeout_ns``: select() for its µs
+    timeouts (poll() and epoll() take ms), poll() for a descriptor select() cannot hold."""
+    if fd < 1024:  # FD_SETSIZE
+        fds = [fd]
+        return lambda timeout_ns: select.select(fds, (), (), timeout_ns / 1e9)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return lambda timeout_ns: poller.poll(-(-timeout_ns // 1_000_000))
+
+
 def load_policy(spec: str) -> PolicyFactory:
     """Resolve ``--policy`` (PolicyLoadError with a reason if it cannot be served)."""
     if not spec.startswith("builtin:"):
@@ -699,6 +775,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="log verbosity on stderr (default info; debug logs every refused frame)",
     )
     p.add_argument(
+        "--poll",
+        default="hybrid",
+        choices=POLL_MODES,
+        help="how the serving thread waits for messages. hybrid (default): it sleeps, but polls without "
+        "sleeping from just before each instance's next step is due (learned from the gaps between "
+        "its steps) until it comes, within --spin-budget; where fewer than 2 CPUs are usable it "
+        "blocks instead. block: it sleeps until a message comes, and wakes on a cold core",
+    )
+    p.add_argument(
+        "--spin-budget",
+        type=float,
+        default=0.5,
+        metavar="FRACTION",
+        help="the most CPU hybrid polling may spend polling without sleeping, as a fraction of one core "
+        "averaged over a second (default 0.5; at one step per 7 ms it spends about 0.03 per instance)",
+    )
+    p.add_argument(
         "--busy-poll-us",
         type=int,
         default=0,
@@ -723,6 +816,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--metrics-port {args.metrics_port} is not a port number (1..65535)")
     if args.max_instances < 1:
         raise ConfigError("--max-instances must be at least 1")
+    if not 0 < args.spin_budget <= 1:
+        raise ConfigError(f"--spin-budget {args.spin_budget}: must be in (0, 1]")
     if not 0 <= args.busy_poll_us <= MAX_BUSY_POLL_US:
         raise ConfigError(f"--busy-poll-us {args.busy_poll_us}: must be in 0..{MAX_BUSY_POLL_US}")
     config = ServeConfig(
@@ -733,6 +828,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_instances=args.max_instances,
         curve_secret_key_file=args.curve_secret_key_file,
         latency_log=args.latency_log,
+        poll=args.poll,
+        spin_budget=args.spin_budget,
         busy_poll_us=args.busy_poll_us,
     )
     server = Server(config)
@@ -743,11 +840,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     log.info(
-        "serving %s on %s (protocol v%d, features v%d)%s%s%s",
+        "serving %s on %s (protocol v%d, features v%d), %s polling%s%s%s",
         server.factory.name,
         server.endpoint,
         PROTOCOL_VERSION,
         FEATURIZER_VERSION,
+        server.poll_mode,
         f", recording to {config.record}" if config.record else "",
         f", metrics on 127.0.0.1:{config.metrics_port}" if config.metrics_port else "",
         f", busy poll {config.busy_poll_us} µs" if config.busy_poll_us else "",

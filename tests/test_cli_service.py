@@ -151,6 +151,14 @@ def test_busy_poll_out_of_range(tmp_path: Path, value: str) -> None:
     assert_one_line_error(proc, "--busy-poll-us", value)
 
 
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "nan"])
+def test_spin_budget_out_of_range(tmp_path: Path, value: str) -> None:
+    proc = run_cli(
+        "serve", "--policy", "builtin:static:2", "--bind", f"ipc://{tmp_path}/b.sock", "--spin-budget", value
+    )
+    assert_one_line_error(proc, "--spin-budget")
+
+
 def test_serve_help_explains_every_option() -> None:
     proc = run_cli("serve", "--help")
     assert proc.returncode == 0
@@ -161,6 +169,8 @@ def test_serve_help_explains_every_option() -> None:
         "--metrics-port",
         "--max-instances",
         "--log-level",
+        "--poll",
+        "--spin-budget",
         "--busy-poll-us",
     ):
         assert option in proc.stdout

@@ -728,6 +728,94 @@ def test_busy_poll_spins_while_steps_flow_and_stops_on_sigterm(workdir: Path) ->
     assert busy_cpu > 0.2, f"{busy_cpu:.2f} CPU s in 0.5 s: not spinning"
 
 
+def _metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"
+    }
+
+
+@pytest.mark.parametrize("poll", ["hybrid", "block"])
+def test_hybrid_polling_polls_only_around_due_steps(workdir: Path, poll: str) -> None:
+    """The default polls without sleeping around each due step, within its budget; same answers."""
+    from controller.polling import usable_cpus
+
+    if poll == "hybrid" and usable_cpus() < 2:
+        pytest.skip("hybrid polling needs 2 CPUs (it blocks on fewer)")
+    endpoint, port = ipc(workdir), free_port()
+    runs = workdir / "runs"
+    server = ServerProcess(
+        endpoint, "builtin:goodput", "--poll", poll, "--metrics-port", str(port), "--record", str(runs)
+    )
+    peer = Peer(endpoint)
+    loop = ClosedLoop("cad", seed=6)
+    got = []
+    try:
+        assert peer.ask(Hello("cad", DEPTHS).to_wire())["t"] == "welcome"
+        t0 = time.monotonic()
+        for _ in range(200):  # a decode cadence: one step per 5 ms
+            time.sleep(0.005)
+            depth = peer.ask(loop.next_step())["depth"]
+            loop.apply(depth)
+            got.append(depth)
+        flowing_s = time.monotonic() - t0
+        spun_flowing = _metrics(port)["specdepth_spin_seconds_total"]
+        time.sleep(0.3)
+        before = _cpu_s(server.proc.pid)
+        time.sleep(1.0)
+        idle_cpu = _cpu_s(server.proc.pid) - before
+        spun_idle = _metrics(port)["specdepth_spin_seconds_total"] - spun_flowing
+        assert server.stop() == 0
+    finally:
+        peer.close()
+    assert got == expected_decisions("builtin:goodput", "cad", 200, seed=6)
+    (path,) = [p for p in runs.iterdir() if p.name.startswith("cad-")]
+    assert [r["depth"] for r in iter_records(path) if r["t"] == "decision"] == got
+    assert idle_cpu < 0.3, f"{idle_cpu:.2f} CPU s in 1 s idle: still spinning"
+    assert spun_idle <= 0.002  # at most the window of the step that did not come (≤ 2 ms)
+    if poll == "block":
+        assert spun_flowing == 0
+    else:
+        # It did poll before steps, and no more than its budget (half a core) allows.
+        assert 0 < spun_flowing <= 0.5 * flowing_s + 0.5, (spun_flowing, flowing_s)
+
+
+def test_hybrid_polling_blocks_on_one_cpu(workdir: Path) -> None:
+    endpoint, port = ipc(workdir), free_port()
+    log = workdir / "serve.log"
+    cpu = min(os.sched_getaffinity(0))
+    args = [
+        sys.executable,
+        "-m",
+        "controller.cli",
+        "serve",
+        "--policy",
+        "builtin:static:2",
+        "--bind",
+        endpoint,
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*args, "--metrics-port", str(port)],
+            stdout=out,
+            stderr=out,
+            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+        )
+    peer = Peer(endpoint)
+    try:
+        assert peer.ask(Hello("one", DEPTHS).to_wire(), timeout_ms=30_000)["t"] == "welcome"
+        for seq in range(50):
+            time.sleep(0.002)
+            assert peer.ask(step_wire("one", seq))["depth"] == 2
+        assert _metrics(port)["specdepth_spin_seconds_total"] == 0
+    finally:
+        peer.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    text = log.read_text()
+    assert "hybrid polling off" in text and "block polling" in text
+
+
 # --------------------------------------------------------------------------- a real PPO zip
 
 

@@ -1,0 +1,186 @@
+"""Hybrid polling: sleep between steps, poll without sleeping just before the next one is due.
+
+A serving thread that sleeps in ``recv`` between decode steps (one per ~7 ms per instance) wakes
+on a cold core: on the lent GPU hosts serve's own path then took ~4x its hot time (decide
+30.5 µs against 7.8, message -> decision 112 µs against 37 with a thread that never sleeps;
+``bench/results/h200/README.md`` §5g). Never sleeping costs a core while steps flow. Each
+instance's steps come at a cadence, though, so the server can predict when the next record of
+each one is due and poll without sleeping only around that moment, as Linux's hybrid polling of
+block devices does for I/O completions.
+
+Per instance a :class:`Cadence` keeps the time of its last record, the gap between records
+(EWMA, 1/8) and that gap's mean deviation. After each record the :class:`SpinPlanner` queues a
+window ``[due - lead, due + lead]`` with ``due = last + gap`` and
+``lead = LEAD_MIN_NS + 2 * deviation`` (at most ``LEAD_MAX_NS``). The serve loop asks
+:meth:`SpinPlanner.plan` what to do whenever the socket is empty: poll until a window's end, or
+sleep until the next window opens.
+
+Invariants:
+
+- Nothing is delayed: sleeping is a wait on the socket, which a message ends at once. A record
+  that comes outside its window is answered exactly as without hybrid polling.
+- Spinning is bounded three ways: only inside a window (at most ``2 * LEAD_MAX_NS`` per record
+  expected); at most ``budget`` of one core averaged over :data:`BUDGET_WINDOW_NS` (a token
+  bucket); and never for an instance whose records come further apart than
+  :data:`GAP_MAX_NS`. An idle server sleeps.
+- A window belongs to the record it was predicted from: a newer record of the same instance
+  makes it stale, so an instance costs at most one window per record.
+- The queue holds at most one live window per instance; stale ones are dropped as they reach
+  its head, and all at once when it grows past twice its last live size (a flood).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+from pathlib import Path
+
+LEAD_MIN_NS = 100_000  # covers a timer wake-up (≤ 50 µs of slack) and the wake of a cold core
+LEAD_MAX_NS = 1_000_000
+GAP_MAX_NS = 100_000_000  # records further apart than 100 ms: sleeping costs them nothing
+BUDGET_WINDOW_NS = 1_000_000_000  # the spin budget is averaged over one second
+_PRUNE_MIN = 1024
+
+
+class Cadence:
+    """When one instance's records come: the last one, the gap between them, its deviation."""
+
+    __slots__ = ("last_ns", "gap_ns", "dev_ns")
+
+    def __init__(self) -> None:
+        self.last_ns = 0
+        self.gap_ns = 0
+        self.dev_ns = 0
+
+
+class SpinPlanner:
+    """Windows around each instance's next record, and a CPU budget for polling in them.
+
+    Args:
+        budget: the most polling without sleeping, as a fraction of one core averaged over
+            :data:`BUDGET_WINDOW_NS` (0 < budget ≤ 1).
+        idle_ns: the longest sleep :meth:`plan` asks for (the serve loop's stop check).
+    """
+
+    def __init__(self, budget: float, idle_ns: int) -> None:
+        if not 0 < budget <= 1:
+            raise ValueError(f"spin budget {budget}: must be in (0, 1]")
+        self.budget = budget
+        self.idle_ns = idle_ns
+        self._capacity = budget * BUDGET_WINDOW_NS
+        self._tokens = self._capacity
+        self._refilled = 0
+        # (start, tie-break, end, the record's time, its Cadence); tuples compare fast.
+        self._queue: list[tuple[int, int, int, int, Cadence]] = []
+        self._count = itertools.count()
+        self._prune_at = _PRUNE_MIN
+
+    def note(self, cadence: Cadence, rx_ns: int) -> None:
+        """A record of ``cadence``'s instance arrived at ``rx_ns``: expect the next one."""
+        last = cadence.last_ns
+        cadence.last_ns = rx_ns
+        if not last:
+            return
+        seen = rx_ns - last
+        gap = cadence.gap_ns
+        if not gap:
+            if seen > GAP_MAX_NS:
+                return
+            cadence.gap_ns = gap = seen
+            cadence.dev_ns = seen >> 2
+        else:
+            # Clipped so that one pause (a prefill, an idle spell) moves the gap by at most an
+            # eighth of itself instead of teaching a cadence that is not there.
+            d = max(-gap, min(seen - gap, gap))
+            cadence.gap_ns = gap = gap + (d >> 3)
+            cadence.dev_ns += (abs(d) - cadence.dev_ns) >> 3
+        if gap > GAP_MAX_NS:
+            return
+        lead = min(LEAD_MIN_NS + 2 * cadence.dev_ns, LEAD_MAX_NS)
+        due = rx_ns + gap
+        queue = self._queue
+        heapq.heappush(queue, (due - lead, next(self._count), due + lead, rx_ns, cadence))
+        if len(queue) >= self._prune_at:
+            queue[:] = [w for w in queue if w[4].last_ns == w[3]]
+            heapq.heapify(queue)
+            self._prune_at = max(_PRUNE_MIN, 2 * len(queue))
+
+    def plan(self, now: int) -> tuple[bool, int]:
+        """What to do with an empty socket at ``now``: ``(spin, until)``.
+
+        ``spin`` True: poll without sleeping until ``until`` (a window is open and the budget
+        allows); False: sleep on the socket until ``until`` at most.
+        """
+        queue = self._queue
+        while queue:
+            start, _, end, rx_ns, cadence = queue[0]
+            if end <= now or cadence.last_ns != rx_ns:  # over, or its record already came
+                heapq.heappop(queue)
+                continue
+            if start > now:
+                return False, min(start, now + self.idle_ns)
+            tokens = min(self._capacity, self._tokens + (now - self._refilled) * self.budget)
+            self._tokens, self._refilled = tokens, now
+            # Over budget: sleep through this window (it is dropped when it ends).
+            return tokens > 0, end
+        return False, now + self.idle_ns
+
+    def spent(self, ns: int) -> None:
+        """Charge ``ns`` of polling without sleeping to the budget."""
+        self._tokens -= ns
+
+    @property
+    def pending(self) -> int:
+        """Windows queued, stale ones included (for tests)."""
+        return len(self._queue)
+
+
+def usable_cpus() -> float:
+    """CPUs this process may run on: its affinity, capped by a cgroup CPU quota if any."""
+    try:
+        n: float = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    return min(n, quota) if quota is not None else n
+
+
+def _cgroup_quota() -> float | None:
+    """The tightest CPU quota (in CPUs) over this process's cgroup and its parents, or None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    best: float | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: cpu.max is "QUOTA PERIOD" or "max PERIOD"
+            root, name = Path("/sys/fs/cgroup"), "cpu.max"
+        elif "cpu" in controllers.split(","):  # cgroup v1
+            root, name = Path("/sys/fs/cgroup") / controllers, "cpu.cfs_quota_us"
+        else:
+            continue
+        folder = root / path.lstrip("/")
+        while True:
+            quota = _read_quota(folder, name)
+            if quota is not None:
+                best = quota if best is None else min(best, quota)
+            if folder == root or folder.parent == folder:
+                break
+            folder = folder.parent
+    return best
+
+
+def _read_quota(folder: Path, name: str) -> float | None:
+    try:
+        if name == "cpu.max":
+            quota, period = (folder / name).read_text().split()
+        else:
+            quota = (folder / name).read_text().strip()
+            period = (folder / "cpu.cfs_period_us").read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
