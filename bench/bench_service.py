@@ -8,10 +8,11 @@ Rows (every number measured in this run; ratios side by side, interleaved in blo
 
 1. in-controller: message received -> decision sent, inside ``controller serve`` with the PPO
    MLP, from the server's own ``--latency-log``; lock-step traffic, 1 instance. Measured with
-   the whole server on one core, and (on machines with >= 4 cores) with a second core for its
-   ZeroMQ I/O thread, which otherwise preempts the serving thread on every send; then both
-   again with ``--busy-poll-us 20000`` where the I/O thread has a core of its own (the
-   serving thread polls instead of sleeping while steps flow).
+   the whole server on one core (where the default blocks), and (on machines with >= 4 cores)
+   with a second core for its ZeroMQ I/O thread, which otherwise preempts the serving thread
+   on every send (where the default polls hybrid: without sleeping around each step's due
+   time); there also with ``--poll block`` (sleep until a message comes) and with
+   ``--poll block --busy-poll-us 20000`` (poll instead of sleeping while steps flow).
 2. round trip over ``ipc://``: hook sends a step, waits for the decision, against a bare
    Python ZeroMQ ROUTER echo; p50 ratio.
 3. throughput: the server pinned to one core, 8 instances with 64 steps in flight each;
@@ -612,17 +613,22 @@ def main() -> int:
     layouts: list[tuple[str, set[int] | None]] = [("whole process on 1 core", server_cores)]
     if len(quiet) >= 2:
         layouts.append(("serving thread 1 core + ZeroMQ I/O thread", set(quiet)))
-    # The same placements with `--busy-poll-us`: the serving thread polls instead of sleeping
-    # while steps flow (the echo's blocks, ~40 ms, outlast it, so each block starts cold).
-    spin = ("--busy-poll-us", str(BUSY_POLL_US))
-    variants: list[tuple[str, set[int] | None, tuple[str, ...]]] = [(lbl, pin_, ()) for lbl, pin_ in layouts]
-    # Not on one core: there the spinning thread starves ZeroMQ's I/O thread (round trip p99
-    # above 1 ms on a 2-CPU box).
-    variants += [
-        (f"{lbl}, --busy-poll-us {BUSY_POLL_US}", pin_, spin)
+    # The default waits with hybrid polling where the process has 2 CPUs or more (it blocks on
+    # one). Where it has them, the same placement with `--poll block` (sleep until a message
+    # comes) and with `--busy-poll-us`: the serving thread polls instead of sleeping while
+    # steps flow (the echo's blocks, ~40 ms, outlast it, so each block starts cold).
+    block = ("--poll", "block")
+    spin = ("--poll", "block", "--busy-poll-us", str(BUSY_POLL_US))
+    variants: list[tuple[str, set[int] | None, tuple[str, ...]]] = [
+        (f"{lbl}, default{' (hybrid polling)' if not pin_ or len(pin_) >= 2 else ''}", pin_, ())
         for lbl, pin_ in layouts
-        if pin_ and len(pin_) >= 2
     ]
+    # Not on one core: there a spinning thread starves ZeroMQ's I/O thread (round trip p99
+    # above 1 ms on a 2-CPU box).
+    for extra in (block, spin):
+        variants += [
+            (f"{lbl}, {' '.join(extra)}", pin_, extra) for lbl, pin_ in layouts if pin_ and len(pin_) >= 2
+        ]
     # For comparison, the placement calls <= 14 used: the first two CPUs.
     earlier = {cores[0], cores[1]}
     compare: list[tuple[str, set[int] | None, tuple[str, ...]]] = (

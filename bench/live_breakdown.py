@@ -62,7 +62,11 @@ def child(cfg: dict[str, Any]) -> None:
     if cfg["cpus"]:
         B.pin(set(cfg["cpus"]))
     config = S.ServeConfig(
-        policy=cfg["policy"], bind=cfg["endpoint"], busy_poll_us=cfg["busy"], latency_log=cfg["latency_log"]
+        policy=cfg["policy"],
+        bind=cfg["endpoint"],
+        poll=cfg["poll"],
+        busy_poll_us=cfg["busy"],
+        latency_log=cfg["latency_log"],
     )
     factory = S.load_policy(config.policy)
     if cfg["two_calls"]:
@@ -139,6 +143,12 @@ def drive(endpoint: str, n: int, spacing_s: float) -> list[int]:
     return rt
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="a PPO zip to serve")
@@ -160,22 +170,24 @@ def main() -> int:
         flush=True,
     )
     tmp = Path(tempfile.mkdtemp(prefix="live_breakdown_"))
-    variants = [
-        ("default", 0, False),
-        ("--busy-poll-us 20000", 20000, False),
-        ("two calls (no fused kernel)", 0, True),
+    variants = [  # (label, --poll, --busy-poll-us, two calls)
+        ("default (hybrid polling)", "hybrid", 0, False),
+        ("--poll block", "block", 0, False),
+        ("--poll block --busy-poll-us 20000", "block", 20000, False),
+        ("default, two calls (no fused)", "hybrid", 0, True),
     ]
-    head = f"{'cadence':10s} {'server':28s} " + " ".join(f"{p:>8s}" for p in PARTS)
-    print(f"\n{head} {'total p50':>10s} {'total p99':>10s} {'round trip':>10s}")
-    print("-" * (len(head) + 33))
+    head = f"{'cadence':10s} {'server':34s} " + " ".join(f"{p:>8s}" for p in PARTS)
+    print(f"\n{head} {'total p50':>10s} {'total p99':>10s} {'round trip':>10s} {'CPU':>6s}")
+    print("-" * (len(head) + 40))
     if len(quiet) < 2:  # a polling thread on the I/O thread's only core starves it (bench_service)
-        variants = [v for v in variants if not v[1]]
+        variants = [v for v in variants if not v[2]]
     for cadence, n, spacing in (("lock-step", args.steps, 0.0), ("7 ms", max(args.steps // 10, 100), 0.007)):
-        for i, (label, busy, two) in enumerate(variants):
+        for i, (label, poll, busy, two) in enumerate(variants):
             endpoint = f"ipc://{tmp}/{cadence[0]}{i}.sock"
             cfg = {
                 "policy": str(args.policy),
                 "endpoint": endpoint,
+                "poll": poll,
                 "busy": busy,
                 "two_calls": two,
                 "cpus": sorted(quiet) if len(cores) > 1 else None,
@@ -186,7 +198,9 @@ def main() -> int:
             proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(cfg)], env=env)
             try:
                 B.wait_welcome(endpoint, proc)
+                cpu0, t0 = cpu_s(proc.pid), time.monotonic()
                 rt = drive(endpoint, n, spacing)
+                cpu = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
@@ -195,8 +209,8 @@ def main() -> int:
             lat = np.fromfile(tmp / "lat.bin", dtype=np.int64)[-len(rows) :] / 1000
             parts = " ".join(f"{np.percentile(rows[:, k], 50):8.1f}" for k in range(len(PARTS)))
             print(
-                f"{cadence:10s} {label:28s} {parts} {np.percentile(lat, 50):10.1f} {np.percentile(lat, 99):10.1f}"
-                f" {np.percentile(np.array(rt[skip:]) / 1000, 50):10.1f}",
+                f"{cadence:10s} {label:34s} {parts} {np.percentile(lat, 50):10.1f} {np.percentile(lat, 99):10.1f}"
+                f" {np.percentile(np.array(rt[skip:]) / 1000, 50):10.1f} {cpu:6.0%}",
                 flush=True,
             )
     return 0
