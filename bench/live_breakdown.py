@@ -15,16 +15,22 @@ functions ``Server._on_step`` calls, ~0.1 µs each; no copy of the path), on the
 - 7 ms: one step every 7 ms, the cadence of a decode step on the GPU, where the serving
   thread sleeps between steps as it does in production.
 
-Each in the default configuration (the serving thread sleeps in ``recv``), with
-``--busy-poll-us 20000``, and with the Featurizer and the MLP called separately (the path
-before the fused kernel), side by side in one run. Columns, µs at p50 (total also p99):
+Each in the default configuration (hybrid polling: the serving thread sleeps, but polls
+without sleeping around each step's due time, and first runs the path once on the last
+record to warm it; ``controller/polling.py``), hybrid polling without that warming,
+``--poll block`` (it sleeps until a message comes), ``--poll block --busy-poll-us 20000``
+(it polls while steps flow), and the default with the Featurizer and the MLP called
+separately (the path before the fused kernel), side by side in one run. Columns, µs at p50
+(total also p99):
 
 - wake: the hook's send -> the serving thread back from ``recv`` with it (not in the total);
 - decode / validate: ``unpack`` / ``parse_step``;
 - decide: the Featurizer and the policy (one fused call, or two);
 - reply: the two ``send`` calls of the decision (its bytes are built between decide and reply);
 - total: serve's own measure, message received -> decision sent (``--latency-log``),
-  which includes the wrappers' clock reads.
+  which includes the wrappers' clock reads;
+- round trip: the hook's send -> the decision back, p50;
+- CPU: the server process's CPU time over the row's wall time (all its threads).
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ def child(cfg: dict[str, Any]) -> None:
         policy=cfg["policy"],
         bind=cfg["endpoint"],
         poll=cfg["poll"],
+        prewarm=cfg.get("prewarm", True),
         busy_poll_us=cfg["busy"],
         latency_log=cfg["latency_log"],
     )
@@ -170,11 +177,12 @@ def main() -> int:
         flush=True,
     )
     tmp = Path(tempfile.mkdtemp(prefix="live_breakdown_"))
-    variants = [  # (label, --poll, --busy-poll-us, two calls)
-        ("default (hybrid polling)", "hybrid", 0, False),
-        ("--poll block", "block", 0, False),
-        ("--poll block --busy-poll-us 20000", "block", 20000, False),
-        ("default, two calls (no fused)", "hybrid", 0, True),
+    variants = [  # (label, --poll, --busy-poll-us, two calls, more config)
+        ("default (hybrid polling)", "hybrid", 0, False, {}),
+        ("hybrid polling without warming", "hybrid", 0, False, {"prewarm": False}),
+        ("--poll block", "block", 0, False, {}),
+        ("--poll block --busy-poll-us 20000", "block", 20000, False, {}),
+        ("default, two calls (no fused)", "hybrid", 0, True, {}),
     ]
     head = f"{'cadence':10s} {'server':34s} " + " ".join(f"{p:>8s}" for p in PARTS)
     print(f"\n{head} {'total p50':>10s} {'total p99':>10s} {'round trip':>10s} {'CPU':>6s}")
@@ -182,7 +190,7 @@ def main() -> int:
     if len(quiet) < 2:  # a polling thread on the I/O thread's only core starves it (bench_service)
         variants = [v for v in variants if not v[2]]
     for cadence, n, spacing in (("lock-step", args.steps, 0.0), ("7 ms", max(args.steps // 10, 100), 0.007)):
-        for i, (label, poll, busy, two) in enumerate(variants):
+        for i, (label, poll, busy, two, more) in enumerate(variants):
             endpoint = f"ipc://{tmp}/{cadence[0]}{i}.sock"
             cfg = {
                 "policy": str(args.policy),
@@ -193,6 +201,7 @@ def main() -> int:
                 "cpus": sorted(quiet) if len(cores) > 1 else None,
                 "latency_log": str(tmp / "lat.bin"),
                 "rows": str(tmp / "rows.json"),
+                **more,
             }
             env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(cfg)], env=env)

@@ -6,7 +6,9 @@ on a cold core: on the lent GPU hosts serve's own path then took ~4x its hot tim
 ``bench/results/h200/README.md`` §5g). Never sleeping costs a core while steps flow. Each
 instance's steps come at a cadence, though, so the server can predict when the next record of
 each one is due and poll without sleeping only around that moment, as Linux's hybrid polling of
-block devices does for I/O completions.
+block devices does for I/O completions. Polling alone wakes the core but not what the path
+needs (its code, the policy's weights): when a window opens after a sleep the serve loop also
+runs the path once on the instance's last record, on the side (``Server._warm``).
 
 Per instance a :class:`Cadence` keeps the time of its last record, the gap between records
 (EWMA, 1/8) and that gap's mean deviation. After each record the :class:`SpinPlanner` queues a
@@ -46,12 +48,13 @@ _PRUNE_MIN = 1024
 class Cadence:
     """When one instance's records come: the last one, the gap between them, its deviation."""
 
-    __slots__ = ("last_ns", "gap_ns", "dev_ns")
+    __slots__ = ("last_ns", "gap_ns", "dev_ns", "owner")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: object = None) -> None:
         self.last_ns = 0
         self.gap_ns = 0
         self.dev_ns = 0
+        self.owner = owner  # whose steps these are (the serve loop's session)
 
 
 class SpinPlanner:
@@ -106,11 +109,12 @@ class SpinPlanner:
             heapq.heapify(queue)
             self._prune_at = max(_PRUNE_MIN, 2 * len(queue))
 
-    def plan(self, now: int) -> tuple[bool, int]:
-        """What to do with an empty socket at ``now``: ``(spin, until)``.
+    def plan(self, now: int) -> tuple[bool, int, Cadence | None]:
+        """What to do with an empty socket at ``now``: ``(spin, until, cadence)``.
 
-        ``spin`` True: poll without sleeping until ``until`` (a window is open and the budget
-        allows); False: sleep on the socket until ``until`` at most.
+        ``spin`` True: poll without sleeping until ``until``, for the next step of
+        ``cadence`` (a window is open and the budget allows); False: sleep on the socket
+        until ``until`` at most.
         """
         queue = self._queue
         while queue:
@@ -119,12 +123,12 @@ class SpinPlanner:
                 heapq.heappop(queue)
                 continue
             if start > now:
-                return False, min(start, now + self.idle_ns)
+                return False, min(start, now + self.idle_ns), None
             tokens = min(self._capacity, self._tokens + (now - self._refilled) * self.budget)
             self._tokens, self._refilled = tokens, now
             # Over budget: sleep through this window (it is dropped when it ends).
-            return tokens > 0, end
-        return False, now + self.idle_ns
+            return tokens > 0, end, cadence
+        return False, now + self.idle_ns, None
 
     def spent(self, ns: int) -> None:
         """Charge ``ns`` of polling without sleeping to the budget."""

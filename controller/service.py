@@ -110,6 +110,9 @@ class ServeConfig:
             comes.
         spin_budget: the most time ``"hybrid"`` polls without sleeping, as a fraction of one
             core averaged over a second.
+        prewarm: with ``"hybrid"``, when a window opens after a sleep, first run the
+            instance's path on its last record, on the side (decode, validate, Featurizer and
+            policy on a scratch Featurizer), so that the record finds it warm.
         busy_poll_us: after each message, keep polling the socket without sleeping for this
             long before waiting as ``poll`` says (0 = wait at once). With a value longer than a
             decode step the serving thread never sleeps while steps flow, at the price of up
@@ -127,6 +130,7 @@ class ServeConfig:
     latency_log: str | None = None
     poll: str = "hybrid"
     spin_budget: float = 0.5
+    prewarm: bool = True
     busy_poll_us: int = 0
 
 
@@ -216,6 +220,8 @@ class _Session:
         "ident",
         "decision_head",
         "cadence",
+        "last_frame",
+        "scratch",
     )
 
     def __init__(
@@ -236,7 +242,9 @@ class _Session:
         # whole map: a fixmap of 5 entries in this key order).
         head = _pack({"t": "decision", "v": PROTOCOL_VERSION, "instance": instance})
         self.decision_head = b"\x85" + head[1:] + _pack("seq")
-        self.cadence = Cadence()  # when its steps come, for hybrid polling
+        self.cadence = Cadence(self)  # when its steps come, for hybrid polling
+        self.last_frame = b""  # its last step record, to warm the path before the next one
+        self.scratch: Featurizer | None = None  # a Featurizer for warming, never for decisions
 
 
 class Server:
@@ -370,24 +378,50 @@ class Server:
         getsockopt = cast("Callable[[int], int]", sock.getsockopt)
         wait = _fd_waiter(getsockopt(zmq.FD))
         spin_ns = self.config.busy_poll_us * 1000
+        prewarm, slept = self.config.prewarm, True
         while not self._stop:
             if drain():  # handled messages (and flushed traces): look again before waiting
                 if spin_ns:
                     self._busy_poll(spin_ns)
                 continue
             now = clock()
-            spin, until = planner.plan(now)
+            spin, until, cadence = planner.plan(now)
             if spin:
+                if slept and prewarm and cadence is not None:
+                    self._warm(cadence.owner)
+                slept = False
                 t = now
                 while not self._stop and t < until and not drain():
                     t = clock()
-                planner.spent(t - now)
+                planner.spent(t - now)  # the warming included: it is CPU spent on a guess too
                 stats.spin_ns += t - now
                 continue
             # Sleep until a message comes or `until`. ZeroMQ's FD only says that the socket's
             # state may have changed, and only after EVENTS has been read: read it first.
             if not getsockopt(_EVENTS) & _POLLIN:
                 wait(max(until - now, 0))
+                slept = True
+
+    def _warm(self, session: Any) -> None:
+        """Run a session's path on its last record, off to the side, before its next one is due.
+
+        After a sleep of a few ms the core has lost what the path needs (code, the policy's
+        weights) and runs it ~3x slower; this pays that once, before the record comes. It
+        decodes and validates the last frame again, runs the fused kernel on a scratch
+        Featurizer and packs a decision, none of which touches the session's state."""
+        if type(session) is not _Session or not session.last_frame:
+            return
+        try:
+            step = parse_step(unpack(session.last_frame))
+            if session.scratch is None:
+                session.scratch = Featurizer(session.depths)
+            if session.fused is not None:
+                session.scratch.update_with(step, session.fused)
+            else:
+                session.scratch.update(step)
+            _pack(step.seq)
+        except Exception:  # warming is an optimisation: never let it cost a decision
+            session.last_frame = b""
 
     def _busy_poll(self, spin_ns: int) -> None:
         """:meth:`drain` without sleeping until nothing came for ``spin_ns`` (``busy_poll_us``)."""
@@ -493,6 +527,7 @@ class Server:
         decisions[depth] = decisions.get(depth, 0) + 1
         self._tick += 1
         session.active = self._tick
+        session.last_frame = frame
         if self._planner is not None:
             self._planner.note(session.cadence, rx_ns)
         writer = session.writer

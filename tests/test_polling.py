@@ -42,7 +42,7 @@ def replay(planner: SpinPlanner, arrivals: list[tuple[int, Cadence]], until_ns: 
     for at, cadence in arrivals:
         hot = now >= at  # busy when it came: no sleep in between
         while now < at:
-            spin, until = planner.plan(now)
+            spin, until, _ = planner.plan(now)
             assert until > now, "the planner must move time on"
             if spin:
                 end = min(at, until)
@@ -59,7 +59,7 @@ def replay(planner: SpinPlanner, arrivals: list[tuple[int, Cadence]], until_ns: 
         now = max(now, at) + HANDLE_NS
     if until_ns is not None:  # what it does after the last message
         while now < until_ns:
-            spin, until = planner.plan(now)
+            spin, until, _ = planner.plan(now)
             end = min(until, until_ns)
             if spin:
                 planner.spent(end - now)
@@ -132,12 +132,12 @@ def test_a_step_that_came_early_retires_its_window() -> None:
     cadence = Cadence()
     for t in (0, 7 * MS, 14 * MS):
         planner.note(cadence, t)
-    spin, until = planner.plan(15 * MS)
+    spin, until, _ = planner.plan(15 * MS)
     assert not spin and until < 21 * MS  # sleeps until the window around 21 ms opens
     planner.note(cadence, 16 * MS)  # it came 5 ms early
     # Its window (21 ms ± 1 ms) would be open at 20.5 ms; it is gone, and the next one, after
     # the gap learned a little from the early step, opens later.
-    spin, until = planner.plan(20_500_000)
+    spin, until, _ = planner.plan(20_500_000)
     assert not spin and until > 21 * MS
 
 

@@ -883,6 +883,39 @@ def test_serving_a_ppo_zip_end_to_end(workdir: Path) -> None:
         assert server.stop() == 0
 
 
+@pytest.mark.slow
+def test_warming_a_session_before_its_step_changes_nothing_it_decides(workdir: Path) -> None:
+    """Hybrid polling runs a session's path on its last record before the next is due: no
+    state of the session may change (same Featurizer state and decisions as without)."""
+    zip_path = make_ppo_zip(workdir / "ppo.zip")
+    servers = [Server(ServeConfig(policy=str(zip_path), bind=ipc(workdir, f"w{k}"))) for k in range(2)]
+    plain, warmed = servers
+    try:
+        loop = ClosedLoop("w", seed=4)
+        for srv in servers:
+            srv.handle([b"id", pack(Hello("w", DEPTHS).to_wire())], 1)
+        session = warmed._sessions["w"]
+        assert session.fused is not None  # the fused kernel is what warming is for
+        for k in range(300):
+            frame = pack(loop.next_step())
+            for srv in servers:
+                srv.handle([b"id", frame], 10 + k)
+            warmed._warm(session)
+            warmed._warm(session)
+            a, b = plain._sessions["w"].featurizer, session.featurizer
+            assert np.array_equal(a._state, b._state)
+            assert plain.stats.decisions == warmed.stats.decisions
+            loop.apply(max(plain.stats.decisions, key=plain.stats.decisions.__getitem__))
+        assert session.scratch is not None and session.scratch.steps > 0
+        assert len(plain.stats.decisions) > 1  # the decisions depended on the records
+        session.last_frame = b"\xc1"  # a warm-up that fails is dropped, silently
+        warmed._warm(session)
+        assert session.last_frame == b""
+    finally:
+        for srv in servers:
+            srv.close()
+
+
 def test_service_and_client_import_no_heavy_modules() -> None:
     code = (
         "import sys; before = set(sys.modules); import controller.service, controller.client; "
