@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -125,17 +126,37 @@ def child(cfg: dict[str, Any]) -> None:
     Path(cfg["rows"]).write_text(json.dumps(rows))
 
 
-def drive(endpoint: str, n: int, spacing_s: float) -> list[int]:
-    """One instance: ``n`` steps, lock-step (``spacing_s`` 0) or one every ``spacing_s``."""
+def drive(endpoint: str, n: int, spacing_s: float, instances: int = 1) -> list[int]:
+    """``instances`` instances, ``n`` steps each, lock-step (``spacing_s`` 0) or one every
+    ``spacing_s`` (several: each in a thread of its own, started at a random phase). Returns
+    the round trips (ns) but each instance's first tenth (warm-up)."""
+    if instances > 1:
+        rts: list[list[int]] = [[] for _ in range(instances)]
+        phases = np.random.default_rng(instances).uniform(0, spacing_s, instances)
+
+        def one(k: int) -> None:
+            time.sleep(phases[k])
+            rts[k] = drive_one(endpoint, f"live{k}", n, spacing_s)
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(instances)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [x for rt in rts for x in rt[n // 10 :]]
+    return drive_one(endpoint, "live", n, spacing_s)[n // 10 :]
+
+
+def drive_one(endpoint: str, instance: str, n: int, spacing_s: float) -> list[int]:
     from controller.protocol import Hello, pack
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    sock.send(pack(Hello("live", B.DEPTHS).to_wire()))
+    sock.send(pack(Hello(instance, B.DEPTHS).to_wire()))
     sock.recv()
     rt = []
-    for i, step in enumerate(B.step_stream("live", n, seed=1)):
+    for i, step in enumerate(B.step_stream(instance, n, seed=1)):
         if spacing_s:
             time.sleep(spacing_s)
         elif i and i % 500 == 0:
@@ -160,6 +181,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="a PPO zip to serve")
     ap.add_argument("--steps", type=int, default=6000, help="lock-step steps per row (7 ms rows: a tenth)")
+    ap.add_argument(
+        "--instances",
+        type=int,
+        default=8,
+        help="instances at 7 ms each, out of phase, for the last rows (1: none)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -189,9 +216,14 @@ def main() -> int:
     print("-" * (len(head) + 40))
     if len(quiet) < 2:  # a polling thread on the I/O thread's only core starves it (bench_service)
         variants = [v for v in variants if not v[2]]
-    for cadence, n, spacing in (("lock-step", args.steps, 0.0), ("7 ms", max(args.steps // 10, 100), 0.007)):
+    cadences = [
+        ("lock-step", args.steps, 0.0, 1),
+        ("7 ms", max(args.steps // 10, 100), 0.007, 1),
+        (f"7 ms x{args.instances}", max(args.steps // 10, 100), 0.007, args.instances),
+    ]
+    for cadence, n, spacing, instances in cadences[: 3 if args.instances > 1 else 2]:
         for i, (label, poll, busy, two, more) in enumerate(variants):
-            endpoint = f"ipc://{tmp}/{cadence[0]}{i}.sock"
+            endpoint = f"ipc://{tmp}/{cadences.index((cadence, n, spacing, instances))}-{i}.sock"
             cfg = {
                 "policy": str(args.policy),
                 "endpoint": endpoint,
@@ -208,18 +240,18 @@ def main() -> int:
             try:
                 B.wait_welcome(endpoint, proc)
                 cpu0, t0 = cpu_s(proc.pid), time.monotonic()
-                rt = drive(endpoint, n, spacing)
+                rt = drive(endpoint, n, spacing, instances)
                 cpu = (cpu_s(proc.pid) - cpu0) / (time.monotonic() - t0)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
-            skip = n // 10
-            rows = np.array(json.loads((tmp / "rows.json").read_text()), dtype=np.int64)[skip:] / 1000
+            rows = np.array(json.loads((tmp / "rows.json").read_text()), dtype=np.int64)
+            rows = rows[len(rows) // 10 :] / 1000
             lat = np.fromfile(tmp / "lat.bin", dtype=np.int64)[-len(rows) :] / 1000
             parts = " ".join(f"{np.percentile(rows[:, k], 50):8.1f}" for k in range(len(PARTS)))
             print(
                 f"{cadence:10s} {label:34s} {parts} {np.percentile(lat, 50):10.1f} {np.percentile(lat, 99):10.1f}"
-                f" {np.percentile(np.array(rt[skip:]) / 1000, 50):10.1f} {cpu:6.0%}",
+                f" {np.percentile(np.array(rt) / 1000, 50):10.1f} {cpu:6.0%}",
                 flush=True,
             )
     return 0
