@@ -20,7 +20,8 @@ metric                                      meaning
 ``decision_latency_seconds``                histogram: message received → decision sent
 ``instances_connected``                     instances with a live session (hello seen, not evicted)
 ``instances_evicted_total``                 sessions dropped to keep memory bounded
-``spin_seconds_total``                      time hybrid polling spent polling without sleeping
+``spin_seconds_total``                      time hybrid polling spent on a coming step: polling
+                                            without sleeping, and warming the path
 ==========================================  ======================================================
 """
 
@@ -138,7 +139,7 @@ class _Collector:
         yield GaugeMetricFamily(p + "instances_connected", "Instances with a live session", s.instances)
         yield CounterMetricFamily(
             p + "spin_seconds",
-            "Time hybrid polling spent polling the socket without sleeping",
+            "Time hybrid polling spent on coming steps: polling without sleeping, warming the path",
             s.spin_ns / 1e9,
         )
 

@@ -573,6 +573,9 @@ class Server:
             session.policy = policy
             session.fused = getattr(policy, "fused", None)
             session.last_seq = None
+            # The last record and the scratch Featurizer were for the old depths: warming must
+            # not run the new kernel on them.
+            session.last_frame, session.scratch = b"", None
             policy.reset()
             log.info("hello again from %r: session restarted, depths %s", hello.instance, list(hello.depths))
         session.ident = ident

@@ -911,6 +911,12 @@ def test_warming_a_session_before_its_step_changes_nothing_it_decides(workdir: P
         session.last_frame = b"\xc1"  # a warm-up that fails is dropped, silently
         warmed._warm(session)
         assert session.last_frame == b""
+        # A restarted session (a new hook socket, other depths) drops what warming kept for
+        # the old depths.
+        warmed.handle([b"id", frame], 400)
+        warmed.handle([b"id2", pack(Hello("w", (0,)).to_wire())], 401)
+        assert session.depths == (0,) and session.scratch is None and session.last_frame == b""
+        warmed._warm(session)
     finally:
         for srv in servers:
             srv.close()
