@@ -19,6 +19,10 @@ Featurizer and policy state, ``seq`` may start over; the same socket repeating t
 ``hello`` (the client does so when decisions stopped for ``stale_ms``) keeps the session. The recording of an instance goes
 to one file per session of the server process (a re-``hello`` continues the same file).
 
+Waiting: between messages the serving thread sleeps on the socket, but by default it polls
+without sleeping around the moment each instance's next step is due, and warms the path first
+(``--poll hybrid``, :mod:`controller.polling`); ``--poll block`` only sleeps.
+
 Recording flush policy: records are handed to the OS whenever the socket has been drained,
 and at the latest every :data:`FLUSH_EVERY` messages, so a ``kill -9`` loses at most the
 burst being handled (whatever was flushed reads back; see :mod:`controller.traces`).
@@ -826,8 +830,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=float,
         default=0.5,
         metavar="FRACTION",
-        help="the most CPU hybrid polling may spend polling without sleeping, as a fraction of one core "
-        "averaged over a second (default 0.5; at one step per 7 ms it spends about 0.03 per instance)",
+        help="the most CPU hybrid polling may spend on coming steps (polling without sleeping, warming the "
+        "path), as a fraction of one core averaged over a second (default 0.5; on the H200 host it "
+        "took 0-0.05 more than --poll block with one instance at one step per 7 ms, 0.07-0.09 with 8)",
     )
     p.add_argument(
         "--busy-poll-us",
