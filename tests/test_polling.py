@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +172,20 @@ def test_usable_cpus_is_at_most_the_affinity() -> None:
     import os
 
     assert 0 < usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_cgroup_quotas_are_read_in_cpus(tmp_path: Path) -> None:
+    from controller.polling import _read_quota
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert _read_quota(tmp_path, "cpu.max") == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert _read_quota(tmp_path, "cpu.max") is None  # no quota
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert _read_quota(tmp_path, "cpu.cfs_quota_us") is None
+    (tmp_path / "cpu.cfs_quota_us").write_text("200000\n")
+    assert _read_quota(tmp_path, "cpu.cfs_quota_us") == 2.0
+    (tmp_path / "cpu.max").write_text("garbage\n")
+    assert _read_quota(tmp_path, "cpu.max") is None  # unreadable: no quota assumed
+    assert _read_quota(tmp_path / "missing", "cpu.max") is None
