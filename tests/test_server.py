@@ -44,6 +44,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The server's Prometheus text endpoint as {sample name with labels: value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"
+    }
+
+
 class ServerProcess:
     """``controller serve`` in a subprocess; waits until it answers a hello."""
 
@@ -490,11 +498,11 @@ def test_fuzz_10000_frames_at_a_live_server(workdir: Path) -> None:
         assert got == expected, "the fuzz changed what the well-behaved instance got"
         rss_end = server.rss_kib
         assert rss_end - rss_start < 40 * 1024, (rss_start, rss_end)
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        metrics = scrape_metrics(port)
         counted = {
-            line.split('"')[1]: int(float(line.split()[-1]))
-            for line in metrics.splitlines()
-            if line.startswith("specdepth_errors_total{") and float(line.split()[-1])
+            name.split('"')[1]: int(value)
+            for name, value in metrics.items()
+            if name.startswith("specdepth_errors_total{") and value
         }
         # Raw garbage not starting with 0xFF reads as a ZMTP/1.0 peer to libzmq, so a few of
         # those connections yield a message too (refused and counted like any other).
@@ -642,13 +650,10 @@ def test_metrics_endpoint_counts_steps_decisions_errors_instances(workdir: Path)
             peer.ask(step_wire("m", seq, depth=3))
         peer.ask(b"\xc1")
         peer.ask(step_wire("ghost", 1))
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        values = scrape_metrics(port)
     finally:
         peer.close()
         server.stop()
-    values = {
-        ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"
-    }
     assert values["specdepth_steps_received_total"] == 7
     assert values['specdepth_decisions_total{depth="3"}'] == 7
     assert values['specdepth_errors_total{code="bad_msgpack"}'] == 1
@@ -728,13 +733,6 @@ def test_busy_poll_spins_while_steps_flow_and_stops_on_sigterm(workdir: Path) ->
     assert busy_cpu > 0.2, f"{busy_cpu:.2f} CPU s in 0.5 s: not spinning"
 
 
-def _metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"
-    }
-
-
 @pytest.mark.parametrize("poll", ["hybrid", "block"])
 def test_hybrid_polling_polls_only_around_due_steps(workdir: Path, poll: str) -> None:
     """The default polls without sleeping around each due step, within its budget; same answers."""
@@ -759,12 +757,12 @@ def test_hybrid_polling_polls_only_around_due_steps(workdir: Path, poll: str) ->
             loop.apply(depth)
             got.append(depth)
         flowing_s = time.monotonic() - t0
-        spun_flowing = _metrics(port)["specdepth_spin_seconds_total"]
+        spun_flowing = scrape_metrics(port)["specdepth_spin_seconds_total"]
         time.sleep(0.3)
         before = _cpu_s(server.proc.pid)
         time.sleep(1.0)
         idle_cpu = _cpu_s(server.proc.pid) - before
-        spun_idle = _metrics(port)["specdepth_spin_seconds_total"] - spun_flowing
+        spun_idle = scrape_metrics(port)["specdepth_spin_seconds_total"] - spun_flowing
         assert server.stop() == 0
     finally:
         peer.close()
@@ -808,7 +806,7 @@ def test_hybrid_polling_blocks_on_one_cpu(workdir: Path) -> None:
         for seq in range(50):
             time.sleep(0.002)
             assert peer.ask(step_wire("one", seq))["depth"] == 2
-        assert _metrics(port)["specdepth_spin_seconds_total"] == 0
+        assert scrape_metrics(port)["specdepth_spin_seconds_total"] == 0
     finally:
         peer.close()
         proc.send_signal(signal.SIGTERM)
