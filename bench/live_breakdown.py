@@ -216,14 +216,13 @@ def main() -> int:
     print("-" * (len(head) + 40))
     if len(quiet) < 2:  # a polling thread on the I/O thread's only core starves it (bench_service)
         variants = [v for v in variants if not v[2]]
-    cadences = [
-        ("lock-step", args.steps, 0.0, 1),
-        ("7 ms", max(args.steps // 10, 100), 0.007, 1),
-        (f"7 ms x{args.instances}", max(args.steps // 10, 100), 0.007, args.instances),
-    ]
-    for cadence, n, spacing, instances in cadences[: 3 if args.instances > 1 else 2]:
+    n_7ms = max(args.steps // 10, 100)
+    cadences = [("lock-step", args.steps, 0.0, 1), ("7 ms", n_7ms, 0.007, 1)]
+    if args.instances > 1:
+        cadences.append((f"7 ms x{args.instances}", n_7ms, 0.007, args.instances))
+    for c, (cadence, n, spacing, instances) in enumerate(cadences):
         for i, (label, poll, busy, two, more) in enumerate(variants):
-            endpoint = f"ipc://{tmp}/{cadences.index((cadence, n, spacing, instances))}-{i}.sock"
+            endpoint = f"ipc://{tmp}/{c}-{i}.sock"
             cfg = {
                 "policy": str(args.policy),
                 "endpoint": endpoint,
