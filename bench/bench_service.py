@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from controller.client import ClientThread, ControllerClient  # noqa: E402
 from controller.features import Featurizer  # noqa: E402
-from controller.protocol import Hello, Step, pack, parse_step, unpack  # noqa: E402
+from controller.protocol import Hello, Step, pack, read_step, unpack  # noqa: E402
 
 DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
 ARCH = (64, 64)
@@ -485,7 +485,7 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
     }
     for fr in frames:
         t0 = time.perf_counter_ns()
-        st = parse_step(unpack(fr))
+        st, u8 = read_step(unpack(fr), fr)
         t1 = time.perf_counter_ns()
         obs = feat.update(st)
         t2 = time.perf_counter_ns()
@@ -521,8 +521,9 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         kernel, fused_feat, fused = getattr(factory(DEPTHS), "fused", None), Featurizer(DEPTHS), []
         if kernel is not None:
             for st in steps:
+                u8 = bytes(st.accept)  # what read_step returns beside the record
                 t0 = time.perf_counter_ns()
-                fused_feat.update_with(st, kernel)
+                fused_feat.update_with(st, kernel, u8)
                 fused.append(time.perf_counter_ns() - t0)
             parts["featurize + policy in one fused call (serve's path)"] = fused
     parts["reply send (2 frames, ROUTER to ipc peer)"] = reply_send_ns(n)

@@ -24,7 +24,7 @@ separately (the path before the fused kernel), side by side in one run. Columns,
 (total also p99):
 
 - wake: the hook's send -> the serving thread back from ``recv`` with it (not in the total);
-- decode / validate: ``unpack`` / ``parse_step``;
+- decode / validate: ``unpack`` / ``read_step``;
 - decide: the Featurizer and the policy (one fused call, or two);
 - reply: the two ``send`` calls of the decision (its bytes are built between decide and reply);
 - total: serve's own measure, message received -> decision sent (``--latency-log``),
@@ -94,18 +94,18 @@ def child(cfg: dict[str, Any]) -> None:
 
         return wrapper
 
-    unpack, parse_step, zsend = S.unpack, S.parse_step, S._zsend
+    unpack, read_step, zsend = S.unpack, S.read_step, S._zsend
     S.unpack = timed(unpack, 1)
     S._zsend = timed(zsend, 4, add=True)
 
-    def parse_and_wake(wire: dict[str, Any]) -> Any:
+    def parse_and_wake(wire: dict[str, Any], frame: bytes) -> Any:
         t0 = mono()
-        step = parse_step(wire)
+        out = read_step(wire, frame)
         cur[2] = mono() - t0
-        cur[0] = cur[5] - step.ts_ns  # the driver puts its send time in ts_ns
-        return step
+        cur[0] = cur[5] - out[0].ts_ns  # the driver puts its send time in ts_ns
+        return out
 
-    S.parse_step = parse_and_wake
+    S.read_step = parse_and_wake
     # decide: update_with (the fused call), or update and then act (two calls, added up).
     Featurizer.update_with = timed(Featurizer.update_with, 3)  # type: ignore[method-assign]
     Featurizer.update = timed(Featurizer.update, 3)  # type: ignore[method-assign]

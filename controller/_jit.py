@@ -46,7 +46,7 @@ def maybe_njit(fn: F) -> F:
     """``numba.njit(cache=True)`` when :data:`JIT_ENABLED`, else ``fn`` itself.
 
     A decorated function must be valid numba nopython code *and* correct plain Python: no
-    Python objects beyond numpy arrays, numbers, tuples, bytearrays and other such functions.
+    Python objects beyond numpy arrays, numbers, tuples, bytes and other such functions.
     Integer powers are written as float powers (``x ** float(k)``) so both paths call the C
     library's ``pow`` and agree bit for bit.
     """

@@ -218,20 +218,24 @@ class Featurizer:
         """
         return self.update_with(step, _fold)  # type: ignore[no-any-return]
 
-    def update_with(self, step: Step, kernel: Callable[..., T]) -> T:
+    def update_with(self, step: Step, kernel: Callable[..., T], accept_u8: bytes | None = None) -> T:
         """Fold one record in with ``kernel`` and return what it returns.
 
         ``kernel`` takes :func:`_fold`'s arguments: :func:`_fold` itself (that is
         :meth:`update`), or a kernel made by :func:`fuse`, which folds the record exactly as
         :meth:`update` does and consumes the observation in the same compiled call.
+        ``accept_u8``: ``bytes(step.accept)`` if the caller has it already
+        (:func:`controller.protocol.read_step` returns it).
         """
-        accept = step.accept
-        try:
-            # A bytearray is the cheapest array numba accepts from a list of small ints;
-            # records of depth <= 255 always fit (accept entries are 0..depth).
-            acc_arr: bytearray | np.ndarray = bytearray(accept)
-        except ValueError:
-            acc_arr = np.array(accept, dtype=np.int64)
+        if accept_u8 is None:
+            try:
+                # bytes are the cheapest array numba accepts from a list of small ints; records
+                # of depth <= 255 always fit (accept entries are 0..depth).
+                acc_arr: bytes | np.ndarray = bytes(step.accept)
+            except ValueError:
+                acc_arr = np.array(step.accept, dtype=np.int64)
+        else:
+            acc_arr = accept_u8
         return kernel(
             self._state,
             self._depths,
@@ -285,7 +289,7 @@ def _clip2(x: float) -> float:
 def _fold(
     st: np.ndarray,
     depths: np.ndarray,
-    accept: bytearray | np.ndarray,
+    accept: bytes | np.ndarray,
     depth: int,
     bs: int,
     waiting: int,

@@ -273,8 +273,18 @@ def parse_hello(wire: dict[str, Any]) -> Hello:
     )
 
 
-def parse_step(wire: dict[str, Any]) -> Step:
+def parse_step(wire: dict[str, Any], frame: bytes | None = None) -> Step:
     """Validate a ``step`` map. Checks that need the instance's ``hello`` are in :func:`check_step`.
+
+    ``frame``, if given, must be the bytes ``wire`` was unpacked from: it lets the check of
+    ``accept`` skip a pass (see :func:`read_step`).
+    """
+    return read_step(wire, frame)[0]
+
+
+def read_step(wire: dict[str, Any], frame: bytes | None = None) -> tuple[Step, bytes]:
+    """:func:`parse_step`, also returning ``accept`` as bytes (one per request), as the
+    Featurizer's kernel reads it: validating ``accept`` builds them anyway.
 
     One pass of inline checks accepts a valid record (the controller's hot path, a few µs
     cheaper than a call per field); anything it does not accept goes through
@@ -307,21 +317,33 @@ def parse_step(wire: dict[str, Any]) -> Step:
         and type(ts) is int
         and 0 <= ts <= MAX_U63
         and type(accept) is list
-        and (_accept_ok(accept, bs, depth) if depth else not accept)
     ):
-        return Step(instance, seq, depth, bs, waiting, accept, step_us, ctx, kv, prefill, ts)
-    return _parse_step_checked(wire)
+        u8 = _accept_u8(accept, bs, depth, frame) if depth else (None if accept else b"")
+        if u8 is not None:
+            return Step(instance, seq, depth, bs, waiting, accept, step_us, ctx, kv, prefill, ts), u8
+    step = _parse_step_checked(wire)
+    return step, bytes(step.accept)  # valid, so every entry is in 0..MAX_DEPTH
 
 
-def _accept_ok(accept: list[Any], bs: int, depth: int) -> bool:
-    """``accept`` holds exactly ``bs`` ints in 0..depth (1 ≤ depth ≤ MAX_DEPTH), checked in C."""
-    # issuperset(map(type, ...)) is exact: a bool (an int subclass) fails it.
-    if len(accept) != bs or not _INT_ONLY.issuperset(map(type, accept)):
-        return False
-    try:  # bytes() range-checks 0..255 in one C loop; translate() then drops every allowed value
-        return not bytes(accept).translate(None, _ACCEPT_VALUES[depth])
-    except ValueError:  # an entry outside 0..255
-        return False
+def _accept_u8(accept: list[Any], bs: int, depth: int, frame: bytes | None) -> bytes | None:
+    """``accept`` as bytes if it holds exactly ``bs`` ints in 0..depth (1 ≤ depth ≤ MAX_DEPTH),
+    else None; checked in C."""
+    if len(accept) != bs:
+        return None
+    try:  # ints (and bools) in 0..255 in one C loop; any other type raises TypeError
+        u8 = bytes(accept)
+    except (TypeError, ValueError):
+        return None
+    if u8.translate(None, _ACCEPT_VALUES[depth]):  # translate() drops every allowed value
+        return None
+    # bytes() took a bool as 0 or 1; msgpack has a bool type of its own, so refuse it. msgpack
+    # writes false/true as the one-byte tags 0xc2/0xc3 and nothing else: a frame holding
+    # neither byte holds no bool. Otherwise (or without the frame) check each entry's type;
+    # issuperset(map(type, ...)) is exact, as a bool's type is not int.
+    if frame is None or 0xC3 in frame or 0xC2 in frame:
+        if not _INT_ONLY.issuperset(map(type, accept)):
+            return None
+    return u8
 
 
 def _parse_step_checked(wire: dict[str, Any]) -> Step:

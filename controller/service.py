@@ -68,7 +68,7 @@ from controller.protocol import (
     ProtocolError,
     check_step,
     parse_hello,
-    parse_step,
+    read_step,
     unpack,
 )
 from controller.traces import TraceWriter, add_rx
@@ -416,11 +416,12 @@ class Server:
         if type(session) is not _Session or not session.last_frame:
             return
         try:
-            step = parse_step(unpack(session.last_frame))
+            frame = session.last_frame
+            step, accept_u8 = read_step(unpack(frame), frame)
             if session.scratch is None:
                 session.scratch = Featurizer(session.depths)
             if session.fused is not None:
-                session.scratch.update_with(step, session.fused)
+                session.scratch.update_with(step, session.fused, accept_u8)
             else:
                 session.scratch.update(step)
             _pack(step.seq)
@@ -490,7 +491,7 @@ class Server:
             self._reply_error(ident, "internal", f"{type(exc).__name__}: {str(exc)[:200]}")
 
     def _on_step(self, ident: bytes, frame: bytes, wire: dict[str, Any], rx_ns: int) -> None:
-        step = parse_step(wire)
+        step, accept_u8 = read_step(wire, frame)
         session = self._sessions.get(step.instance)
         if session is None:
             raise ProtocolError("unknown_instance", f"no hello from {step.instance[:40]!r}; send hello")
@@ -502,7 +503,7 @@ class Server:
         if fused is None:
             action = session.policy.act(session.featurizer.update(step), step)
         else:  # the same state and action in one compiled call (~1 µs less)
-            action = session.featurizer.update_with(step, fused)
+            action = session.featurizer.update_with(step, fused, accept_u8)
         if not 0 <= action < len(depths):
             raise RuntimeError(
                 f"policy {self.factory.name} answered action {action} for {len(depths)} depths"

@@ -100,6 +100,16 @@ def test_deterministic_and_reset_replays_bit_for_bit() -> None:
     assert first == [a.update(s).tobytes() for s in stream]
 
 
+def test_accept_bytes_from_the_parser_fold_the_same_as_the_list() -> None:
+    """serve hands update_with the bytes that validating accept built (read_step)."""
+    from controller.features import _fold
+
+    stream = random_stream(300, seed=4)
+    a, b = Featurizer(DEPTHS), Featurizer(DEPTHS)
+    for s in stream:
+        assert a.update(s).tobytes() == b.update_with(s, _fold, bytes(s.accept)).tobytes()
+
+
 def test_returned_observations_are_independent_copies() -> None:
     f = Featurizer(DEPTHS)
     o1 = f.update(step(0, 2, [1, 2]))

@@ -42,6 +42,7 @@ from controller.protocol import (
     pack,
     parse_decision,
     parse_step,
+    read_step,
     unpack,
 )
 from controller.protocol import _parse_step_checked as parse_step_checked
@@ -296,8 +297,29 @@ def test_step_fast_path_agrees_with_the_rule_by_rule_parser() -> None:
                 wire[key] = rng.choice(odd)
         got, want = _outcome(parse_step, wire), _outcome(parse_step_checked, wire)
         assert got == want, (n, wire)
+        # With the frame (as serve calls it), which lets the accept check skip a pass.
+        frame = msgpack.packb(wire)
+        framed = _outcome(lambda w: read_step(w, frame), wire)  # noqa: B023 (called right here)
+        if isinstance(framed, tuple):
+            assert framed[1] == bytes(framed[0].accept), (n, wire)
+            framed = framed[0]
+        assert framed == want, (n, wire)
         fast_hits += isinstance(got, Step)
     assert fast_hits > 5_000  # the valid share really went through (and agreed with) both
+
+
+@pytest.mark.parametrize("entry", [True, False])
+def test_a_bool_in_accept_is_refused_with_the_frame_too(entry: bool) -> None:
+    """read_step skips the per-entry type check for frames without msgpack's bool tags: a
+    bool anywhere puts one there (here the only 0xc2/0xc3 byte of the frame)."""
+    wire = good_step(accept=[0, 1, entry, 3])
+    frame = msgpack.packb(wire)
+    assert frame.count(0xC3) + frame.count(0xC2) == 1
+    with pytest.raises(ProtocolError) as info:
+        read_step(unpack(frame), frame)
+    assert info.value.code == "bad_accept"
+    ok = msgpack.packb(good_step())
+    assert read_step(unpack(ok), ok) == (parse_step(unpack(ok)), bytes([0, 1, 2, 3]))
 
 
 @pytest.mark.parametrize(
