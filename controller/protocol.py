@@ -225,11 +225,21 @@ def unpack(frame: bytes) -> dict[str, Any]:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
-        wire = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError("bad_msgpack", f"not one msgpack value ({type(exc).__name__})") from None
+        # msgpack's defaults: str as str, arrays as lists, and map keys only str or bytes
+        # (strict_map_key). A bytes key can only come from msgpack's bin type, whose tags are
+        # the bytes 0xc4-0xc6: a frame holding none of them has only str keys.
+        wire = _unpackb(frame)
+        str_keys = 0xC4 not in frame and 0xC5 not in frame and 0xC6 not in frame
+    except Exception:
+        # Not msgpack, or a map key of another type somewhere: decode again without that
+        # rule, so that a map with such keys gets the code below, as any other map does.
+        try:
+            wire = msgpack.unpackb(frame, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            raise ProtocolError("bad_msgpack", f"not one msgpack value ({type(exc).__name__})") from None
+        str_keys = False
     # set(map(type, ...)) walks the keys in C: half the cost of a generator on the hot path.
-    if type(wire) is not dict or not _STR_ONLY.issuperset(map(type, wire)):
+    if type(wire) is not dict or not (str_keys or _STR_ONLY.issuperset(map(type, wire))):
         raise ProtocolError("not_a_map", "a frame must hold one msgpack map with string keys")
     v = wire.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
@@ -431,6 +441,7 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
 
 # --------------------------------------------------------------------------- field helpers
 
+_unpackb: Final = msgpack.unpackb
 _STR_ONLY: Final = frozenset((str,))
 _INT_ONLY: Final = frozenset((int,))
 _ACCEPT_VALUES: Final = tuple(bytes(range(d + 1)) for d in range(MAX_DEPTH + 1))  # allowed accept per depth

@@ -129,6 +129,56 @@ def test_not_a_map(value: Any) -> None:
     assert code_of(msgpack.packb(value, use_bin_type=True)) == "not_a_map"
 
 
+@pytest.mark.parametrize("extra", [{1: 2}, {b"pad": 1}, {None: 1}, {1.5: "x"}])
+def test_a_step_with_one_non_string_key_is_not_a_map(extra: dict[Any, Any]) -> None:
+    assert code_of(msgpack.packb({**good_step(), **extra}, use_bin_type=True)) == "not_a_map"
+
+
+@pytest.mark.parametrize("extra", [{"x": {1: 2}}, {"x": b"\xc4\xc5"}, {"x": [{b"k": 1}]}])
+def test_unknown_fields_may_hold_anything(extra: dict[str, Any]) -> None:
+    """Only the top-level keys must be strings: what an unknown field holds is ignored."""
+    assert decode(msgpack.packb({**good_step(), **extra}, use_bin_type=True)) == decode(pack(good_step()))
+
+
+def _reference_unpack(frame: bytes) -> Any:
+    """unpack's frame-level rules, one by one, without its fast path."""
+    if len(frame) > MAX_FRAME_BYTES:
+        return "too_large"
+    try:
+        wire = msgpack.unpackb(frame, strict_map_key=False)
+    except Exception:
+        return "bad_msgpack"
+    if type(wire) is not dict or any(type(k) is not str for k in wire):
+        return "not_a_map"
+    if type(wire.get("v")) is not int or wire["v"] != PROTOCOL_VERSION:
+        return "bad_version"
+    return wire
+
+
+def test_unpack_agrees_with_its_rules_on_mutated_frames() -> None:
+    """unpack trusts a frame without the bin tags 0xc4-0xc6 to have only str keys, and decodes
+    with strict map keys first: neither may change an outcome."""
+    rng = random.Random(11)
+    keys: list[Any] = [1, -1, b"t", b"\xc4", None, 2.5, True, "t", "x"]
+    values: list[Any] = [{1: 2}, {b"k": b"v"}, b"\xc4", [b"", {3: 4}], "\xc4", 1.5, None]
+    seen: set[Any] = set()
+    for n in range(5_000):
+        wire: dict[Any, Any] = good_step(accept=[rng.randint(0, 3) for _ in range(4)])
+        for _ in range(rng.choice((0, 1, 2))):
+            wire[rng.choice(keys)] = rng.choice(values)
+        frame = bytearray(msgpack.packb(wire, use_bin_type=True))
+        for _ in range(rng.choice((0, 0, 1, 3))):  # flip a byte, often into a bin tag
+            frame[rng.randrange(len(frame))] = rng.choice((0xC4, 0xC5, 0xC6, rng.randrange(256)))
+        want = _reference_unpack(bytes(frame))
+        try:
+            got: Any = unpack(bytes(frame))
+        except ProtocolError as exc:
+            got = exc.code
+        assert got == want, (n, bytes(frame))
+        seen.add(want if isinstance(want, str) else "ok")
+    assert seen == {"ok", "bad_msgpack", "not_a_map", "bad_version"}
+
+
 @pytest.mark.parametrize("v", [None, 0, 2, "1", 1.0, True, -1])
 def test_bad_version(v: Any) -> None:
     wire = good_step(v=v) if v is not None else {k: x for k, x in good_step().items() if k != "v"}
