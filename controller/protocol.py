@@ -283,18 +283,16 @@ def parse_hello(wire: dict[str, Any]) -> Hello:
     )
 
 
-def parse_step(wire: dict[str, Any], frame: bytes | None = None) -> Step:
-    """Validate a ``step`` map. Checks that need the instance's ``hello`` are in :func:`check_step`.
-
-    ``frame``, if given, must be the bytes ``wire`` was unpacked from: it lets the check of
-    ``accept`` skip a pass (see :func:`read_step`).
-    """
-    return read_step(wire, frame)[0]
+def parse_step(wire: dict[str, Any]) -> Step:
+    """Validate a ``step`` map. Checks that need the instance's ``hello`` are in :func:`check_step`."""
+    return read_step(wire)[0]
 
 
 def read_step(wire: dict[str, Any], frame: bytes | None = None) -> tuple[Step, bytes]:
     """:func:`parse_step`, also returning ``accept`` as bytes (one per request), as the
-    Featurizer's kernel reads it: validating ``accept`` builds them anyway.
+    Featurizer's kernel reads it: validating ``accept`` builds them anyway. ``frame``, if
+    given, must be the bytes ``wire`` was unpacked from: it lets the check of ``accept`` skip
+    a pass (see :func:`_accept_u8`).
 
     One pass of inline checks accepts a valid record (the controller's hot path, a few µs
     cheaper than a call per field); anything it does not accept goes through
