@@ -210,13 +210,15 @@ class Featurizer:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, step: Step) -> np.ndarray:
+    def update(self, step: Step, accept_u8: bytes | None = None) -> np.ndarray:
         """Fold one record in and return the observation (a fresh float32 array).
+
+        ``accept_u8``: as for :meth:`update_with`.
 
         Raises:
             ValueError: a speculative record deeper than the deepest allowed depth.
         """
-        return self.update_with(step, _fold)  # type: ignore[no-any-return]
+        return self.update_with(step, _fold, accept_u8)  # type: ignore[no-any-return]
 
     def update_with(self, step: Step, kernel: Callable[..., T], accept_u8: bytes | None = None) -> T:
         """Fold one record in with ``kernel`` and return what it returns.

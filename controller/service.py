@@ -423,7 +423,7 @@ class Server:
             if session.fused is not None:
                 session.scratch.update_with(step, session.fused, accept_u8)
             else:
-                session.scratch.update(step)
+                session.scratch.update(step, accept_u8)
             _pack(step.seq)
         except Exception:  # warming is an optimisation: never let it cost a decision
             session.last_frame = b""
@@ -501,7 +501,7 @@ class Server:
         session.last_seq = seq
         fused = session.fused
         if fused is None:
-            action = session.policy.act(session.featurizer.update(step), step)
+            action = session.policy.act(session.featurizer.update(step, accept_u8), step)
         else:  # the same state and action in one compiled call (~1 µs less)
             action = session.featurizer.update_with(step, fused, accept_u8)
         if not 0 <= action < len(depths):
