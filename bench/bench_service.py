@@ -483,11 +483,12 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         "encode decision": [],
         REFERENCE: [],
     }
+    accepts: list[bytes] = []  # read_step's accept bytes, which serve hands on to the Featurizer
     for fr in frames:
         t0 = time.perf_counter_ns()
         st, u8 = read_step(unpack(fr), fr)
         t1 = time.perf_counter_ns()
-        obs = feat.update(st)
+        obs = feat.update(st, u8)
         t2 = time.perf_counter_ns()
         a = policy.act(obs, st)
         t3 = time.perf_counter_ns()
@@ -497,6 +498,7 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         t5 = time.perf_counter_ns()
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             parts[key].append(dt)
+        accepts.append(u8)
     # Reference, timed in the same run: the numpy path a server without numba uses (the
     # same weights and actions); skipped if the internals differ.
     mlp = getattr(policy, "_mlp", None)
@@ -520,8 +522,7 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         prepare()
         kernel, fused_feat, fused = getattr(factory(DEPTHS), "fused", None), Featurizer(DEPTHS), []
         if kernel is not None:
-            for st in steps:
-                u8 = bytes(st.accept)  # what read_step returns beside the record
+            for st, u8 in zip(steps, accepts):
                 t0 = time.perf_counter_ns()
                 fused_feat.update_with(st, kernel, u8)
                 fused.append(time.perf_counter_ns() - t0)
