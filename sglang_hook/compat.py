@@ -117,6 +117,53 @@ CONTRACT: tuple[Target, ...] = (
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.extend_num_tokens", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.launch_ts", kind="field"),
     Target("sglang.srt.managers.schedule_batch.Req.seqlen", kind="attr", why="ctx_tokens without seq_lens_cpu"),
+    # The off switch (sglang_hook.off_switch): depth 0 as a plain decode.
+    Target(
+        "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.build_adaptive_runtime_state",
+        ("self", "speculative_num_steps", "speculative_num_draft_tokens"),
+        why="off switch: wrapped, the depth-0 state gets plain decode graphs",
+    ),
+    Target(
+        "sglang.srt.speculative.eagle_worker_v2.DecodeCudaGraphRunner",
+        kind="attr",
+        why="off switch: the name build_adaptive_runtime_state constructs, swapped for depth 0",
+    ),
+    Target(
+        "sglang.srt.speculative.eagle_worker_common.eagle_prepare_for_verify",
+        ("verify_input", "req_to_token_pool", "batch", "target_worker"),
+        why="off switch: wrapped, a depth-0 step becomes a DECODE forward batch",
+    ),
+    Target(
+        "sglang.srt.speculative.eagle_worker_common.run_eagle_verify",
+        ("batch",),
+        why="off switch: calls eagle_prepare_for_verify by its module name",
+    ),
+    Target(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.__init__",
+        ("self", "model_runner"),
+        why="off switch: subclassed, built with attn_backend and speculative_num_* keywords",
+    ),
+    Target(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
+        ("self", "forward_batch"),
+        why="off switch",
+    ),
+    Target(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.load_batch",
+        ("self", "forward_batch"),
+        why="off switch",
+    ),
+    Target(
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+        ("cls", "batch", "model_runner"),
+        why="off switch: builds the DECODE forward batch",
+    ),
+    Target("sglang.srt.model_executor.forward_batch_info.ForwardBatch.mark_forward_metadata_ready", ("self",)),
+    Target("sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode.FULL", kind="attr", why="off switch"),
+    Target("sglang.srt.speculative.spec_info.SpeculativeAlgorithm.NONE", kind="attr", why="off switch"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.orig_seq_lens", kind="field", why="off switch"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.spec_info", kind="field", why="off switch"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens", kind="field", why="off switch"),
 )
 
 

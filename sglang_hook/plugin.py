@@ -39,7 +39,7 @@ from typing import Any
 
 from controller.errors import ConfigError
 from controller.protocol import MAX_STEP_US, Hello, Step
-from sglang_hook import compat
+from sglang_hook import compat, off_switch
 from sglang_hook.actuator import ActuatorState, DepthSync, TpSync, log_once, wrap_controller_params
 from sglang_hook.config import HookConfig, auto_client_thread, usable_cpus
 
@@ -639,3 +639,10 @@ def register() -> None:
             HookRegistry.register(target, fn, HookType.AROUND)
     except Exception:
         logger.exception("spec controller: hook not loaded")
+        return
+    try:
+        off_switch.install(
+            lambda target, fn: HookRegistry.register(target, fn, HookType.AROUND), off_switch.OffConfig.from_env()
+        )
+    except Exception:
+        logger.exception("spec controller: off switch not loaded; depth 0 stays SGLang's verify")

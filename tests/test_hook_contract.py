@@ -124,6 +124,10 @@ def _static_check(root: Path, target: compat.Target) -> str | None:
                 isinstance(t, ast.Name) and t.id == name for t in child.targets
             ):  # an enum member, a class constant
                 found = child
+            elif isinstance(child, ast.ImportFrom) and any(
+                (alias.asname or alias.name) == name for alias in child.names
+            ):  # a name a module imports and later looks up by its own global
+                found = child
         if found is None:
             return f"{target.path}: {name!r} not found in {file}"
         node = found

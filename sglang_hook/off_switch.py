@@ -1,0 +1,280 @@
+"""The off switch: at depth 0 an EAGLE-3 server runs the target's plain decode, not a verify.
+
+SGLang (0.5.17, 0.5.23) implements ``speculative_num_steps == 0`` as speculation with nothing
+drafted: a one-node tree goes through the target's TARGET_VERIFY path. With the triton backend
+that is the extend-attention kernel (128-row tiles per request and head, one real query row)
+and a CUDA graph captured for verify; on the H200 it delivered 0.34-0.36x a plain server's
+throughput at 64 concurrent requests. No choice of depth could bring the plain server back.
+
+This module makes depth 0 a plain decode without forking SGLang, through two AROUND hooks:
+
+- ``EAGLEWorkerV2.build_adaptive_runtime_state`` (startup, once per depth): for the depth-0
+  runtime state, the target's graph runner is a :class:`PlainDecodeGraphRunner` — SGLang's own
+  ``DecodeCudaGraphRunner`` captured in DECODE mode (the split-KV decode kernels, SGLang's
+  decode CUDA graphs) for every batch size the verify graphs had. It still returns the
+  target's auxiliary hidden states, which the drafter's extend reads.
+- ``eagle_prepare_for_verify`` (every depth-0 step): SGLang assigns the step's KV slot exactly
+  as for a verify (its own code runs first), then the forward batch is rebuilt by SGLang's
+  ``ForwardBatch.init_new`` in DECODE mode — sequence lengths counting the new token, no
+  ``spec_info`` — and loaded into the plain graph. Everything after the forward is SGLang's
+  verify bookkeeping, unchanged: a one-token "tree" accepts its root and samples the bonus
+  token from the same logits a plain decode samples from, so greedy outputs are identical.
+
+What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT``:
+
+- ``keep`` (default): the drafter's one-token extend runs every step (SGLang's own, with its
+  own CUDA graph), so its KV cache and next proposal stay current and turning drafting back on
+  loses nothing (the failure to rule out is a drafter left stale while off: TensorRT-LLM
+  #16888). Its cost is one drafter layer per step.
+- ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: cheaper while off, but the
+  drafter's KV misses every position decoded while off (measured, not recommended).
+
+Invariants:
+- Only depth 0 changes: a state or a step with ``draft_token_num != 1`` goes to SGLang as is.
+- The DECODE forward runs only through a graph captured in DECODE mode (or eagerly); a
+  TARGET_VERIFY graph is never replayed with a DECODE batch. If the plain graph cannot be
+  built, depth 0 keeps SGLang's verify path (logged once).
+- Nothing raises into SGLang: any failure while preparing the plain step falls back to SGLang's
+  own verify of that step, run eagerly, and is counted in :data:`COUNTERS`.
+
+Imports nothing from SGLang at module import (the hook's lean-import rule); the SGLang classes
+are subclassed on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("sglang_hook")
+
+ENV_OFF_PATH = "SPECDEPTH_OFF_PATH"  # "plain" (default) or "sglang": SGLang's own depth 0
+ENV_OFF_DRAFT = "SPECDEPTH_OFF_DRAFT"  # "keep" (default) or "skip"
+SGLANG_SKIP_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
+
+WORKER = "sglang.srt.speculative.eagle_worker_v2"
+BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
+# run_eagle_verify calls the name bound in eagle_worker_common, so that is the one to wrap.
+PREPARE_VERIFY = "sglang.srt.speculative.eagle_worker_common.eagle_prepare_for_verify"
+PLAIN_MARK = "specdepth_plain_decode"
+
+
+@dataclass(slots=True)
+class OffCounters:
+    """Per-process counters (read by tests and logs)."""
+
+    plain_states: int = 0  # depth-0 runtime states built with a plain decode graph
+    plain_steps: int = 0  # depth-0 steps run as a plain decode
+    graph_steps: int = 0  # ... of which replayed a CUDA graph
+    verify_fallbacks: int = 0  # depth-0 steps that went through SGLang's verify instead
+    errors: int = 0  # exceptions caught here
+
+
+COUNTERS = OffCounters()
+_logged: set[str] = set()
+_plain_cls: dict[int, type] = {}
+
+
+def _log_once(key: str, level: int, msg: str, *args: Any, exc: bool = False) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.log(level, msg, *args, exc_info=exc)
+
+
+@dataclass(frozen=True, slots=True)
+class OffConfig:
+    """How depth 0 runs.
+
+    Attributes:
+        plain: depth 0 as a plain decode (this module); ``False`` = SGLang's own depth 0.
+        keep_draft: run the drafter's extend at depth 0 so drafting resumes on a current drafter.
+    """
+
+    plain: bool = True
+    keep_draft: bool = True
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> OffConfig:
+        """Read :data:`ENV_OFF_PATH` and :data:`ENV_OFF_DRAFT`; unknown values raise ``ValueError``."""
+        env = dict(os.environ) if env is None else env
+        path = env.get(ENV_OFF_PATH, "plain")
+        draft = env.get(ENV_OFF_DRAFT, "keep")
+        if path not in ("plain", "sglang"):
+            raise ValueError(f"{ENV_OFF_PATH}={path!r}: expected plain or sglang")
+        if draft not in ("keep", "skip"):
+            raise ValueError(f"{ENV_OFF_DRAFT}={draft!r}: expected keep or skip")
+        return cls(plain=path == "plain", keep_draft=draft == "keep")
+
+
+def plain_runner_class(base: type) -> type:
+    """SGLang's decode graph runner ``base``, captured in DECODE mode inside a speculative server.
+
+    ``DecodeCudaGraphRunner`` picks TARGET_VERIFY whenever its model runner speculates, and
+    captures the server's hidden-state mode (none, by default). For the plain path it must
+    capture DECODE with no ``spec_info`` and keep the full hidden states (the EAGLE-3 target's
+    auxiliary layers, which the drafter's extend reads). Both are decided inside SGLang's
+    ``__init__``, so the model runner is shown as non-speculative for the construction alone
+    and the hidden-state mode is pinned.
+    """
+    cached = _plain_cls.get(id(base))
+    if cached is not None:
+        return cached
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    class PlainDecodeGraphRunner(base):  # type: ignore[misc, valid-type]
+        specdepth_plain_decode = True
+
+        def __init__(self, model_runner: Any, *args: Any, **kwargs: Any) -> None:
+            kwargs["speculative_num_steps"] = 0
+            kwargs["speculative_num_draft_tokens"] = 1
+            saved = model_runner.spec_algorithm
+            model_runner.spec_algorithm = SpeculativeAlgorithm.NONE
+            try:
+                super().__init__(model_runner, *args, **kwargs)
+            finally:
+                model_runner.spec_algorithm = saved
+
+        @property  # type: ignore[override]
+        def return_hidden_states_mode(self) -> Any:
+            return CaptureHiddenMode.FULL
+
+        @return_hidden_states_mode.setter
+        def return_hidden_states_mode(self, value: Any) -> None:
+            pass  # SGLang's BaseRunner assigns the server's mode; the drafter needs FULL
+
+    _plain_cls[id(base)] = PlainDecodeGraphRunner
+    return PlainDecodeGraphRunner
+
+
+def is_plain(graph_runner: Any) -> bool:
+    """Whether ``graph_runner`` replays DECODE-mode graphs built by :func:`plain_runner_class`."""
+    return bool(getattr(graph_runner, PLAIN_MARK, False))
+
+
+def _speculates_eagle(worker: Any) -> bool:
+    algo: Any = getattr(worker, "speculative_algorithm", None)
+    try:
+        return bool(algo.is_eagle()) and not bool(algo.is_standalone())
+    except Exception:
+        return False
+
+
+def build_state_hook(original: Any, worker: Any, speculative_num_steps: int, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``EAGLEWorkerV2.build_adaptive_runtime_state``: depth 0 gets a plain decode graph."""
+    if speculative_num_steps != 0 or not _speculates_eagle(worker):
+        return original(worker, speculative_num_steps, *args, **kwargs)
+    import importlib
+
+    module = importlib.import_module(WORKER)
+    name = "DecodeCudaGraphRunner"  # the module global build_adaptive_runtime_state constructs
+    base = getattr(module, name, None)
+    if base is None:
+        _log_once("no-runner", logging.WARNING, "spec controller: no DecodeCudaGraphRunner; depth 0 stays a verify")
+        return original(worker, speculative_num_steps, *args, **kwargs)
+    try:
+        setattr(module, name, plain_runner_class(base))
+        state = original(worker, speculative_num_steps, *args, **kwargs)
+    except Exception:
+        COUNTERS.errors += 1
+        _log_once("build", logging.ERROR, "spec controller: plain decode graphs failed; depth 0 stays a verify", exc=True)
+        setattr(module, name, base)
+        return original(worker, speculative_num_steps, *args, **kwargs)
+    finally:
+        setattr(module, name, base)
+    COUNTERS.plain_states += 1
+    graph = getattr(state, "target_graph_runner", None)
+    logger.info(
+        "spec controller: depth 0 runs as a plain decode (%s)",
+        f"CUDA graphs for batch sizes {getattr(graph, 'capture_bs', '?')}" if graph is not None else "eager",
+    )
+    return state
+
+
+def decode_forward_batch(batch: Any, model_runner: Any) -> Any:
+    """SGLang's DECODE ``ForwardBatch`` for a depth-0 step whose KV slot the verify prepare assigned.
+
+    Spec v2 keeps ``batch.seq_lens`` as the length before this step's token; a decode counts it.
+    The batch is changed only for the ``init_new`` call and restored after it.
+    """
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+    saved = (batch.forward_mode, batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens, batch.spec_info)
+    bs = len(batch.seq_lens)
+    try:
+        batch.forward_mode = ForwardMode.DECODE
+        batch.seq_lens = saved[1] + 1
+        batch.seq_lens_cpu = None if saved[2] is None else saved[2] + 1
+        batch.seq_lens_sum = None if saved[3] is None else saved[3] + bs
+        batch.orig_seq_lens = None if saved[4] is None else saved[4] + 1
+        batch.spec_info = None
+        return ForwardBatch.init_new(
+            batch,
+            model_runner,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            return_hidden_states_before_norm=False,
+        )
+    finally:
+        (
+            batch.forward_mode,
+            batch.seq_lens,
+            batch.seq_lens_cpu,
+            batch.seq_lens_sum,
+            batch.orig_seq_lens,
+            batch.spec_info,
+        ) = saved
+
+
+def prepare_verify_hook(
+    original: Any, verify_input: Any, req_to_token_pool: Any, batch: Any, target_worker: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``eagle_prepare_for_verify``: a depth-0 step becomes a DECODE forward batch."""
+    if getattr(verify_input, "draft_token_num", None) != 1 or batch.forward_mode.is_idle():
+        return original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
+    runner = target_worker.model_runner
+    graph = runner.decode_cuda_graph_runner
+    if graph is not None and not is_plain(graph):
+        COUNTERS.verify_fallbacks += 1  # depth 0 without a plain graph: SGLang's verify
+        return original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
+    # SGLang's own prepare assigns the KV slot and input ids; it must not load its TARGET_VERIFY
+    # batch into the plain graph, so it sees no graph runner.
+    runner.decode_cuda_graph_runner = None
+    try:
+        verify_fb, _ = original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
+    finally:
+        runner.decode_cuda_graph_runner = graph
+    try:
+        fb = decode_forward_batch(batch, runner)
+        can_graph = bool(graph is not None and graph.can_run_graph(fb))
+        if can_graph:
+            graph.load_batch(fb)
+            fb.mark_forward_metadata_ready()
+    except Exception:
+        COUNTERS.errors += 1
+        COUNTERS.verify_fallbacks += 1
+        _log_once("prepare", logging.ERROR, "spec controller: plain decode step failed; verifying instead", exc=True)
+        return verify_fb, False  # SGLang's verify batch, run eagerly: correct, slower
+    COUNTERS.plain_steps += 1
+    COUNTERS.graph_steps += can_graph
+    if COUNTERS.plain_steps == 1:
+        logger.info("spec controller: first depth-0 step ran as a plain decode (bs %d, CUDA graph %s)", len(batch.seq_lens), can_graph)
+    return fb, can_graph
+
+
+HOOKS = ((BUILD_STATE, build_state_hook), (PREPARE_VERIFY, prepare_verify_hook))
+
+
+def install(register: Any, config: OffConfig) -> None:
+    """Register the off switch's hooks through ``register(target, fn)`` (SGLang's AROUND hooks).
+
+    With ``skip`` the drafter's extend is left out at depth 0 through SGLang's own switch,
+    which scheduler children read from the environment they inherit.
+    """
+    if not config.plain:
+        return
+    if not config.keep_draft:
+        os.environ[SGLANG_SKIP_ENV] = "1"
+    for target, fn in HOOKS:
+        register(target, fn)
