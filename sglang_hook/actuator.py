@@ -156,6 +156,41 @@ class TpSync:
         return [r for r in reqs if type(r) is not DepthSync]
 
 
+SGLANG_PARAMS_LOGGER = "sglang.srt.speculative.adaptive_spec_params"
+SGLANG_UPDATE_LINE = "Adaptive spec params updated"
+
+
+class QuietWhileControlled(logging.Filter):
+    """Drops SGLang's "Adaptive spec params updated" lines while its rule is not in charge.
+
+    The actuator keeps feeding SGLang's rule so its EMA is warm for the fallback; the rule then
+    logs a switch it never makes (531 lines in one H200 run). Filters run only for records that
+    are emitted, so steps without a log line pay nothing.
+    """
+
+    def __init__(self, state: ActuatorState, fixed_fallback: bool) -> None:
+        super().__init__()
+        self._state = state
+        self._fixed = fixed_fallback
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self._state.applied is None and not self._fixed:
+            return True  # SGLang's rule is in charge: its switches are real
+        return not str(record.msg).startswith(SGLANG_UPDATE_LINE)
+
+
+_quieted: list[QuietWhileControlled] = []
+
+
+def quiet_sglang_rule(state: ActuatorState, fixed_fallback: bool) -> QuietWhileControlled:
+    """Install :class:`QuietWhileControlled` on SGLang's params logger, once per process."""
+    if not _quieted:
+        flt = QuietWhileControlled(state, fixed_fallback)
+        logging.getLogger(SGLANG_PARAMS_LOGGER).addFilter(flt)
+        _quieted.append(flt)
+    return _quieted[0]
+
+
 class ControlledParams:
     """Wraps SGLang's adaptive params (``AdaptiveSpeculativeParams``) for one worker.
 
@@ -191,6 +226,7 @@ class ControlledParams:
             )
             fallback_depth = None
         self._fallback = fallback_depth
+        quiet_sglang_rule(state, fallback_depth is not None)
 
     @property
     def inner(self) -> Any:
