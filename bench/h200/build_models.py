@@ -119,8 +119,13 @@ def _write(out: Path, cfg: dict[str, object], tensors: dict, tokenizer: Path | N
             shutil.copy(f, out / f.name)
 
 
-def build_target(shape: Shape, gen, device: str) -> dict:
-    """Random target whose greedy decoding repeats the last prompt token (see module doc)."""
+def build_target(shape: Shape, gen, device: str, out_std: float = 0.002) -> dict:
+    """Random target whose greedy decoding repeats the last prompt token (see module doc).
+
+    ``out_std`` is the std of ``o_proj``/``down_proj``: 0.002 keeps the repetition; 0.02 (a
+    usual random init) makes every token depend on the whole context through attention, so a
+    greedy comparison between two servers checks every kernel, not just the embedding.
+    """
     import torch
 
     bf = torch.bfloat16
@@ -139,10 +144,10 @@ def build_target(shape: Shape, gen, device: str) -> dict:
         t[p + "self_attn.q_proj.weight"] = rnd(shape.heads * head_dim, h, std=0.02)
         t[p + "self_attn.k_proj.weight"] = rnd(shape.kv_heads * head_dim, h, std=0.02)
         t[p + "self_attn.v_proj.weight"] = rnd(shape.kv_heads * head_dim, h, std=0.02)
-        t[p + "self_attn.o_proj.weight"] = rnd(h, shape.heads * head_dim, std=0.002)
+        t[p + "self_attn.o_proj.weight"] = rnd(h, shape.heads * head_dim, std=out_std)
         t[p + "mlp.gate_proj.weight"] = rnd(shape.mlp, h, std=0.02)
         t[p + "mlp.up_proj.weight"] = rnd(shape.mlp, h, std=0.02)
-        t[p + "mlp.down_proj.weight"] = rnd(h, shape.mlp, std=0.002)
+        t[p + "mlp.down_proj.weight"] = rnd(h, shape.mlp, std=out_std)
         t[p + "input_layernorm.weight"] = torch.ones(h, dtype=bf)
         t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=bf)
     return t
@@ -228,6 +233,13 @@ def main() -> int:
     parser.add_argument("--noisy-accept", type=float, default=0.7)
     parser.add_argument("--tokenizer", type=Path, default=Path(".h200pack/tokenizer"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--target-out-std",
+        type=float,
+        default=0.002,
+        help="std of the target's o_proj/down_proj: 0.002 repeats the last token (the drafts' "
+        "acceptance is built on that); 0.02 makes outputs depend on the whole context",
+    )
     args = parser.parse_args()
 
     import torch
@@ -239,7 +251,8 @@ def main() -> int:
     tok = args.tokenizer if args.tokenizer.is_dir() else None
     report: dict[str, object] = {"shape": args.shape, **shape.__dict__, "vocab": VOCAB}
 
-    target = build_target(shape, gen, device)
+    target = build_target(shape, gen, device, args.target_out_std)
+    report["target_out_std"] = args.target_out_std
     params = sum(v.numel() for v in target.values())
     report["target_params"] = params
     embed = target["model.embed_tokens.weight"]

@@ -40,6 +40,10 @@ rm -rf "$WORK/site"
 rm -f "$WORK"/site/sgl_kernel/flash_ops.abi3.so "$WORK"/site/sgl_kernel/infllm_ops*.so \
       "$WORK"/site/xgrammar/lib/libxgrammar.a
 rm -rf "$WORK"/site/sgl_kernel/sm100
+# Native libraries the HTTP server path never imports (its Rust server and gRPC cores, FlashMLA for
+# MLA models): about 35 MB, so the pack and the repository travel together with room to spare.
+rm -f "$WORK"/site/sglang/srt/server/_core.*.so "$WORK"/site/sglang/srt/grpc/_core.*.so \
+      "$WORK"/site/sgl_kernel/flashmla_ops.abi3.so
 # SGLang's diffusion runtime and test helpers: the LLM server never imports them, and without
 # them the pack plus the repo stays under the device tool's 64 MiB per call.
 rm -rf "$WORK"/site/sglang/multimodal_gen "$WORK"/site/sglang/test

@@ -177,18 +177,19 @@ def check_imports(res: Results) -> bool:
     return p.returncode == 0
 
 
-def build_models(res: Results, shape: str, drafts: str) -> bool:
+def build_models(res: Results, shape: str, drafts: str, target_out_std: float = 0.002) -> bool:
     tic = time.time()
     if (MODELS / "build.json").exists():
         build = json.loads((MODELS / "build.json").read_text())
         have = {k[len("draft_") : -len("_self_map_fraction")] for k in build if k.startswith("draft_")}
-        if build.get("shape") == shape and set(drafts.split(",")) <= have:
+        same_target = build.get("target_out_std", 0.002) == target_out_std
+        if build.get("shape") == shape and set(drafts.split(",")) <= have and same_target:
             res.data["models"] = build
             res.event("models", ok=True, s=0.0, reused=True)
             return True
     p = subprocess.run(
         [sys.executable, str(HERE / "build_models.py"), "--out", str(MODELS), "--shape", shape,
-         "--drafts", drafts, "--tokenizer", str(ROOT / "tokenizer")],
+         "--drafts", drafts, "--tokenizer", str(ROOT / "tokenizer"), "--target-out-std", str(target_out_std)],
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
     )  # fmt: skip
     build = {}
