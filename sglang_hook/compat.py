@@ -164,6 +164,13 @@ CONTRACT: tuple[Target, ...] = (
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.orig_seq_lens", kind="field", why="off switch"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.spec_info", kind="field", why="off switch"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens", kind="field", why="off switch"),
+    Target(
+        "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.resolve_num_tokens_per_req",
+        kind="attr",
+        why="wrapped: each depth's draft-extend graphs at that depth's width",
+    ),
+    Target("sglang.srt.speculative.spec_utils.resolve_num_tokens_per_req", why="called with phase= by keyword"),
+    Target("sglang.srt.runtime_context.get_spec", (), why="the depth being captured"),
 )
 
 

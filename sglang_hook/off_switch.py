@@ -20,6 +20,9 @@ This module makes depth 0 a plain decode without forking SGLang, through two ARO
   verify bookkeeping, unchanged: a one-token "tree" accepts its root and samples the bonus
   token from the same logits a plain decode samples from, so greedy outputs are identical.
 
+A third hook fixes a 0.5.17 bug that made the drafter's extend run eagerly at every adaptive
+depth but the starting one (:func:`draft_extend_width_hook`).
+
 What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT``:
 
 - ``keep`` (default): the drafter's one-token extend runs every step (SGLang's own, with its
@@ -59,6 +62,8 @@ BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
 # run_eagle_verify calls the name bound in eagle_worker_common, so that is the one to wrap.
 PREPARE_VERIFY = "sglang.srt.speculative.eagle_worker_common.eagle_prepare_for_verify"
 PLAIN_MARK = "specdepth_plain_decode"
+# The width the drafter's extend graphs are captured at, as the graph runner looks it up.
+DRAFT_EXTEND_WIDTH = "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.resolve_num_tokens_per_req"
 
 
 @dataclass(slots=True)
@@ -263,6 +268,26 @@ def prepare_verify_hook(
     return fb, can_graph
 
 
+def draft_extend_width_hook(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND the draft-extend graph runner's ``resolve_num_tokens_per_req``: each depth's width.
+
+    SGLang 0.5.17 sizes the drafter's extend graphs from the startup ``server_args``, so every
+    adaptive depth but the starting one captures graphs of the wrong width, and its extend runs
+    eagerly (about 80 launches and a host-side stall each step, seen on the H200 at depth 0).
+    Its runtime context already carries the depth being captured (the state builder overrides
+    it), which is what 0.5.23 reads; this answers from there too.
+    """
+    if kwargs.get("phase") == "draft_extend":
+        try:
+            from sglang.srt.runtime_context import get_spec
+
+            return int(get_spec().speculative_num_draft_tokens)
+        except Exception:
+            COUNTERS.errors += 1
+            _log_once("width", logging.WARNING, "spec controller: draft-extend width unknown; SGLang's own", exc=True)
+    return original(*args, **kwargs)
+
+
 HOOKS = ((BUILD_STATE, build_state_hook), (PREPARE_VERIFY, prepare_verify_hook))
 
 
@@ -272,6 +297,7 @@ def install(register: Any, config: OffConfig) -> None:
     With ``skip`` the drafter's extend is left out at depth 0 through SGLang's own switch,
     which scheduler children read from the environment they inherit.
     """
+    register(DRAFT_EXTEND_WIDTH, draft_extend_width_hook)  # every depth, whatever the off path
     if not config.plain:
         return
     if not config.keep_draft:

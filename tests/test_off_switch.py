@@ -256,6 +256,8 @@ def test_plugin_installs_the_off_switch_by_default(monkeypatch: pytest.MonkeyPat
             plugin.register()
             for target, fn in off_switch.HOOKS:
                 assert any(h is fn for _, h, _ in HookRegistry._hooks.get(target, [])) is expect
+            width = HookRegistry._hooks.get(off_switch.DRAFT_EXTEND_WIDTH, [])
+            assert any(h is off_switch.draft_extend_width_hook for _, h, _ in width)  # either way
         monkeypatch.setenv(off_switch.ENV_OFF_PATH, "plain")
         monkeypatch.setenv(off_switch.ENV_OFF_DRAFT, "skip")
         plugin.register()
@@ -265,6 +267,27 @@ def test_plugin_installs_the_off_switch_by_default(monkeypatch: pytest.MonkeyPat
     finally:
         HookRegistry._hooks.clear()
         HookRegistry._hooks.update(saved)
+
+
+def test_draft_extend_graphs_take_the_width_of_the_depth_being_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt import runtime_context
+
+    calls: list[dict[str, Any]] = []
+
+    def original(**kw: Any) -> int:
+        calls.append(kw)
+        return 4  # 0.5.17: the startup server_args' width, whatever depth is being captured
+
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=1))
+    assert off_switch.draft_extend_width_hook(original, phase="draft_extend", server_args=None) == 1
+    assert off_switch.draft_extend_width_hook(original, phase="draft_decode", server_args=None) == 4
+    assert calls == [{"phase": "draft_decode", "server_args": None}]
+
+    def broken() -> Any:
+        raise RuntimeError("no context")
+
+    monkeypatch.setattr(runtime_context, "get_spec", broken)
+    assert off_switch.draft_extend_width_hook(original, phase="draft_extend", server_args=None) == 4
 
 
 def test_sglang_rule_is_quiet_only_while_it_is_not_in_charge() -> None:
@@ -279,4 +302,5 @@ def test_sglang_rule_is_quiet_only_while_it_is_not_in_charge() -> None:
     state.applied = 3
     assert not flt.filter(record(line))
     assert flt.filter(record("something else"))
+    assert not flt.filter(record("Switch adaptive runtime state: steps 3 -> 0, draft_tokens 4 -> 1"))
     assert not actuator.QuietWhileControlled(actuator.ActuatorState(), fixed_fallback=True).filter(record(line))
