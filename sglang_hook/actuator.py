@@ -157,11 +157,15 @@ class TpSync:
 
 
 SGLANG_PARAMS_LOGGER = "sglang.srt.speculative.adaptive_spec_params"
-SGLANG_UPDATE_LINE = "Adaptive spec params updated"
+SGLANG_WORKER_LOGGER = "sglang.srt.speculative.eagle_worker_v2"
+# SGLang's lines about its own rule's moves and about every runtime-state switch: while the hook
+# holds the depth the first are moves never made, the second one line per switch, which a
+# controller can make every step (519 lines in a 2-minute H200 run); its trace records them.
+SGLANG_QUIET_LINES = ("Adaptive spec params updated", "Switch adaptive runtime state")
 
 
 class QuietWhileControlled(logging.Filter):
-    """Drops SGLang's "Adaptive spec params updated" lines while its rule is not in charge.
+    """Drops SGLang's :data:`SGLANG_QUIET_LINES` while its rule is not in charge.
 
     The actuator keeps feeding SGLang's rule so its EMA is warm for the fallback; the rule then
     logs a switch it never makes (531 lines in one H200 run). Filters run only for records that
@@ -176,17 +180,18 @@ class QuietWhileControlled(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if self._state.applied is None and not self._fixed:
             return True  # SGLang's rule is in charge: its switches are real
-        return not str(record.msg).startswith(SGLANG_UPDATE_LINE)
+        return not str(record.msg).startswith(SGLANG_QUIET_LINES)
 
 
 _quieted: list[QuietWhileControlled] = []
 
 
 def quiet_sglang_rule(state: ActuatorState, fixed_fallback: bool) -> QuietWhileControlled:
-    """Install :class:`QuietWhileControlled` on SGLang's params logger, once per process."""
+    """Install :class:`QuietWhileControlled` on SGLang's params and worker loggers, once per process."""
     if not _quieted:
         flt = QuietWhileControlled(state, fixed_fallback)
-        logging.getLogger(SGLANG_PARAMS_LOGGER).addFilter(flt)
+        for name in (SGLANG_PARAMS_LOGGER, SGLANG_WORKER_LOGGER):
+            logging.getLogger(name).addFilter(flt)
         _quieted.append(flt)
     return _quieted[0]
 
