@@ -7,6 +7,8 @@ in an order that rotates), so slow drift of the machine hits every server alike.
 
 Servers (``--servers``):
   plain      SGLang without any ``--speculative-*`` flag: the bar.
+  plain2     a second plain server, timed and compared like the others: the spread of the
+             ratios and of greedy identity between two identical servers.
   off        EAGLE-3 through ``sglang_hook.launch_server``, held at depth 0 by the hook's fixed
              fallback (no controller process), depth 0 as a plain decode (the off switch,
              ``sglang_hook/off_switch.py``), the drafter's extend kept.
@@ -64,6 +66,7 @@ class Kind:
 
 KINDS = {
     "plain": Kind("plain", False),
+    "plain2": Kind("plain-control", False),  # a second plain server: the noise floor of every ratio
     "off": Kind("static:0", True, {"SPECDEPTH_OFF_PATH": "plain", "SPECDEPTH_OFF_DRAFT": "keep"}),
     "off-skip": Kind("static:0-skip", True, {"SPECDEPTH_OFF_PATH": "plain", "SPECDEPTH_OFF_DRAFT": "skip"}),
     "legacy": Kind("static:0-sglang", True, {"SPECDEPTH_OFF_PATH": "sglang"}),
@@ -86,6 +89,8 @@ class Server(run.Server):
                   "--attention-backend", a.backend, "--sampling-backend", "pytorch",
                   "--cuda-graph-bs", *map(str, CUDA_GRAPH_BS), "--decode-log-interval", "40",
                   "--log-level", "info"]  # fmt: skip
+        if a.no_prefill_graph:
+            common.append("--disable-prefill-cuda-graph")
         if not self.kind.speculative:
             return [sys.executable, "-m", "sglang.launch_server", *common]
         hook = ["--spec-controller", f"ipc:///tmp/specdepth-off-{self.spec.label}.sock",
@@ -124,13 +129,15 @@ class Book:
         self.points: list[dict[str, Any]] = []
         self.outputs: dict[tuple[int, int, str], list[list[int]]] = {}
 
-    def add(self, server: Server, rep: int, m: dict[str, Any]) -> None:
+    def add(self, server: Server, rep: int, m: dict[str, Any], policy: str = "", workload: str = "") -> None:
         c = m["concurrency"]
-        self.outputs[(rep, c, server.spec.label)] = [r["output_ids"] for r in m["requests"]]
+        if not workload:
+            self.outputs[(rep, c, server.spec.label)] = [r["output_ids"] for r in m["requests"]]
+        args = self.res.data["args"]
         row = {
-            "workload": f"closed-{self.res.data['args']['input_tokens']}-{self.res.data['args']['output_tokens']}",
+            "workload": f"{workload or 'closed'}-{args['input_tokens']}-{args['output_tokens']}-{args['backend']}",
             "concurrency": c,
-            "policy": server.kind.policy,
+            "policy": policy or server.kind.policy,
             "rep": rep,
             "tok_s": round(m["throughput_tok_s"], 1),
             "tpot_ms_mean": round(m["tpot_mean_ms"], 3),
@@ -141,7 +148,7 @@ class Book:
         point = {**row, "server": server.spec.label, "wall_s": round(m["wall_s"], 2), "errors": m["errors"],
                  "accept_len_mean": m["accept_len_mean"], "ttft_ms_mean": round(m["ttft_mean_ms"], 1)}  # fmt: skip
         plain = self.outputs.get((rep, c, "plain"))
-        if plain is not None:
+        if plain is not None and not workload:
             for label in [lbl for (r, cc, lbl) in self.outputs if r == rep and cc == c and lbl != "plain"]:
                 mine = self.outputs[(rep, c, label)]
                 same = sum(a == b for a, b in zip(plain, mine))
@@ -187,8 +194,58 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def profile_kernels(server: Server, c: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    """GPU kernel time by name over a few decode steps at concurrency ``c`` (torch profiler)."""
+SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "aten::item",
+              "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamWaitEvent")  # fmt: skip
+
+
+def summarize_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
+    """GPU kernel time by name; CPU runtime calls (launches, graph launches, syncs) per step; and
+    for each blocking call, the innermost Python frames around it (when the trace has stacks)."""
+    events = trace.get("traceEvents", [])
+    kernels: dict[str, list[float]] = {}
+    runtime: dict[str, list[float]] = {}
+    python: dict[Any, list[tuple[float, float, str]]] = {}
+    for ev in events:
+        cat, name = ev.get("cat"), str(ev.get("name", ""))
+        if "dur" not in ev:
+            continue
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.setdefault(name[:90], []).append(float(ev["dur"]))
+        elif cat in ("cuda_runtime", "cuda_driver", "cpu_op"):
+            if cat != "cpu_op" or any(s in name for s in SYNC_NAMES):
+                runtime.setdefault(name[:60], []).append(float(ev["dur"]))
+        elif cat == "python_function":
+            python.setdefault(ev.get("tid"), []).append((float(ev["ts"]), float(ev["dur"]), name[:110]))
+    where: dict[str, list[float]] = {}
+    for ev in events:
+        name = str(ev.get("name", ""))
+        if ev.get("cat") in ("cuda_runtime", "cpu_op") and "dur" in ev and any(s in name for s in SYNC_NAMES[:5]):
+            ts, frames = float(ev["ts"]), []
+            for start, dur, fname in python.get(ev.get("tid"), []):
+                if start <= ts <= start + dur:
+                    frames.append((dur, fname))
+            frames.sort()
+            key = name[:30] + " <- " + " <- ".join(f for _, f in frames[:4] if "torch/" not in f)[:400]
+            where.setdefault(key, []).append(float(ev["dur"]))
+    total = sum(sum(v) for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "steps": steps,
+        "gpu_us_per_step": round(total / steps, 1),
+        "kernels": [{"name": k, "us_per_step": round(sum(v) / steps, 1), "n": len(v)} for k, v in top],
+        "runtime_per_step": {
+            k: {"n": round(len(v) / steps, 1), "us": round(sum(v) / steps, 1)}
+            for k, v in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:14]
+        },
+        "blocking_calls": [
+            {"where": k, "n": len(v), "us": round(sum(v), 1)}
+            for k, v in sorted(where.items(), key=lambda kv: -sum(kv[1]))[:10]
+        ],
+    }
+
+
+def profile(server: Server, c: int, args: argparse.Namespace, out_dir: Path, steps: int = 6) -> dict[str, Any]:
+    """Profile ``steps`` decode steps at concurrency ``c`` with SGLang's torch-profiler endpoint."""
     import glob
     import gzip
     import urllib.request
@@ -198,33 +255,63 @@ def profile_kernels(server: Server, c: int, args: argparse.Namespace, out_dir: P
     spec = LoadSpec(c, c, args.input_tokens, 256, seed=4242)
     th = threading.Thread(target=lambda: box.update(m=run_load(server.url, spec, timeout_s=120)))
     th.start()
-    time.sleep(2.0)
-    body = json.dumps({"output_dir": str(out_dir), "num_steps": 8, "activities": ["GPU"]}).encode()
-    req = urllib.request.Request(server.url + "/start_profile", data=body, headers={"Content-Type": "application/json"})
+    time.sleep(1.5)
+    body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": True}
+    req = urllib.request.Request(
+        server.url + "/start_profile", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         urllib.request.urlopen(req, timeout=60).read()
     except Exception as exc:
         th.join()
         return {"error": f"start_profile: {exc}"}
     th.join()
-    time.sleep(2.0)
-    files = sorted(glob.glob(str(out_dir / "**" / "*.json*"), recursive=True))
+    files: list[str] = []
+    for _ in range(40):  # the trace is written after the last profiled step, asynchronously
+        files = sorted(glob.glob(str(out_dir / "**" / "*.json*"), recursive=True))
+        if files:
+            break
+        time.sleep(0.5)
     if not files:
         return {"error": "no trace written"}
-    opener = gzip.open if files[-1].endswith(".gz") else open
+    time.sleep(1.0)
+    opener: Any = gzip.open if files[-1].endswith(".gz") else open
     with opener(files[-1], "rt") as fh:
         trace = json.load(fh)
-    kernels: dict[str, list[float]] = {}
-    for ev in trace.get("traceEvents", []):
-        if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
-            kernels.setdefault(ev["name"][:90], []).append(float(ev["dur"]))
-    total = sum(sum(v) for v in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:14]
-    return {
-        "trace": os.path.basename(files[-1]),
-        "gpu_us_total": round(total, 1),
-        "top": [{"name": k, "us": round(sum(v), 1), "n": len(v)} for k, v in top],
-    }
+    return {"trace": os.path.basename(files[-1]), "c": c, **summarize_trace(trace, steps)}
+
+
+def switch_cost(book: Book, server: Server, args: argparse.Namespace, deadline: float) -> None:
+    """Depth 0 and 3 held, and switched at every step, by a scripted controller: the switch's cost."""
+    import subprocess
+
+    endpoint = f"ipc:///tmp/specdepth-off-{server.spec.label}.sock"
+    for schedule in ("static:0", "static:3", "alternate:0,3"):
+        if time.time() > deadline - 20:
+            book.res.event("skipped_switch", schedule=schedule)
+            return
+        log = run.RES / f"scripted_{server.spec.label}_{schedule.replace(':', '-').replace(',', '-')}.log"
+        rec = log.with_suffix(".jsonl")
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, str(HERE / "scripted_controller.py"), "--bind", endpoint, "--schedule", schedule,
+                 "--record", str(rec)], env=run._env(), stdout=fh, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            try:
+                for _ in range(20):  # until the hook has said hello to this controller
+                    run_load(server.url, LoadSpec(1, 1, 64, 16, seed=999))
+                    if "hello from" in log.read_text(errors="replace"):
+                        break
+                for c in (16, 64):
+                    spec = LoadSpec(c, 2 * c, args.input_tokens, args.output_tokens, seed=5000 + c)
+                    m = run_load(server.url, spec, timeout_s=120)
+                    book.add(server, 0, m, policy=f"scripted-{schedule}", workload="switch")
+            finally:
+                proc.terminate()
+                proc.wait(timeout=10)
+        depths = [json.loads(ln)["depth"] for ln in rec.read_text().splitlines()[-400:]] if rec.exists() else []
+        switches = sum(a != b for a, b in zip(depths, depths[1:]))
+        book.res.data.setdefault("switch", {})[schedule] = {"steps": len(depths), "switches_in_last": switches}
 
 
 def main() -> int:
@@ -241,7 +328,14 @@ def main() -> int:
     parser.add_argument("--target-out-std", type=float, default=0.02)
     parser.add_argument("--mem-fraction", type=float, default=0.8)
     parser.add_argument("--max-total-tokens", type=int, default=65536)
-    parser.add_argument("--profile", default="", help="comma list of servers to profile at C=64 if time is left")
+    parser.add_argument("--profile", default="", help="comma list of servers to profile if time is left")
+    parser.add_argument("--profile-conc", type=int, default=16)
+    parser.add_argument("--switch", default="", help="server to time static:0, static:3 and alternate:0,3 on")
+    parser.add_argument(
+        "--no-prefill-graph",
+        action="store_true",
+        help="--disable-prefill-cuda-graph on every server (saves ~100 s of start-up; decode unchanged)",
+    )
     args = parser.parse_args()
     unknown = [s for s in args.servers.split(",") if s not in KINDS]
     if unknown:
@@ -293,10 +387,16 @@ def main() -> int:
                     spec = LoadSpec(c, n, args.input_tokens, args.output_tokens, seed=1000 * rep + c)
                     m = run_load(server.url, spec, timeout_s=max(30.0, deadline - time.time() + 60))
                     book.add(server, rep, m)
+        if args.switch:
+            server = next((s for s in live if s.spec.label == args.switch), None)
+            if server is not None:
+                switch_cost(book, server, args, deadline)
         for label in filter(None, args.profile.split(",")):
             server = next((s for s in live if s.spec.label == label), None)
             if server is not None and time.time() < deadline - 25:
-                res.data.setdefault("profile", {})[label] = profile_kernels(server, 64, args, run.RES / f"prof_{label}")
+                res.data.setdefault("profile", {})[label] = profile(
+                    server, args.profile_conc, args, run.RES / f"prof_{label}"
+                )
                 book.flush()
     finally:
         for server in servers:
@@ -312,8 +412,13 @@ def main() -> int:
             print(f"  {label}: kv={f['kv'][:3]} off={f['off_switch'][:3]} switches={f['switches']} "
                   f"rule_lines={f['sglang_rule_lines']} errors={f['errors'][:2]}")  # fmt: skip
         for label, p in res.data.get("profile", {}).items():
-            print(f"\n== profile {label} at C=64: {json.dumps(p)[:1500]}")
-        print("\n== throughput (tok/s), ratios to plain per repetition\n" + table(book.rows))
+            print(f"\n== profile {label}: {json.dumps(p)[:2500]}")
+        closed = [r for r in book.rows if r["workload"].startswith("closed")]
+        print("\n== throughput (tok/s), ratios to plain per repetition\n" + table(closed))
+        for r in book.rows:
+            if r["workload"].startswith("switch"):
+                print(f"switch C={r['concurrency']:<3} {r['policy']:>24} {r['tok_s']:9.1f} tok/s tpot {r['tpot_ms_mean']:.2f} ms")
+        print(f"switch schedules as sent: {res.data.get('switch')}")
     return 0
 
 
