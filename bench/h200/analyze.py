@@ -501,7 +501,7 @@ def main() -> int:
     parser.add_argument("tarballs", type=Path, nargs="+", help="res.tar.gz of each device call, in order")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/h200")
     parser.add_argument("--traces-root", type=Path, default=REPO / "env/example_traces")
-    parser.add_argument("--ppo", type=Path, default=REPO / "bench/results/h200/ppo/ppo.zip")
+    parser.add_argument("--ppo", type=Path, default=REPO / "bench/results/h200/ppo2/ppo.zip")
     parser.add_argument("--no-sim", action="store_true")
     args = parser.parse_args()
 
