@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import msgpack
 import zmq
 
 from controller.errors import ConfigError, ControllerError, PolicyLoadError
@@ -65,8 +64,12 @@ from controller.protocol import (
     MAX_DEPTH,
     PROTOCOL_VERSION,
     TO_HOOK,
+    Error,
     ProtocolError,
+    Welcome,
     check_step,
+    decision_encoder,
+    encode,
     parse_hello,
     read_step,
     unpack,
@@ -85,9 +88,6 @@ _SEND_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 # pyzmq's own send, without the Python layer of zmq.Socket.send (routing_id/group/list
 # handling this server never uses): ≈0.5 µs less per call, two calls per decision.
 _zsend = zmq.backend.Socket.send
-_pack = msgpack.Packer(use_bin_type=True).pack  # one Packer: packb builds a new one per call
-# The tail of every decision frame, per depth: {"depth": d} after the per-session head.
-_DEPTH_TAIL = tuple(_pack("depth") + _pack(d) for d in range(MAX_DEPTH + 1))
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ class _Session:
         "writer",
         "active",
         "ident",
-        "decision_head",
+        "encode_decision",
         "cadence",
         "last_frame",
         "scratch",
@@ -241,11 +241,7 @@ class _Session:
         self.writer = writer
         self.active = 0
         self.ident = b""  # ZeroMQ routing id of the socket that said hello
-        # A decision is {"t": "decision", "v": 1, "instance": ..., "seq": s, "depth": d}; all but
-        # s and d are fixed per instance, so they are packed once (the same bytes as packing the
-        # whole map: a fixmap of 5 entries in this key order).
-        head = _pack({"t": "decision", "v": PROTOCOL_VERSION, "instance": instance})
-        self.decision_head = b"\x85" + head[1:] + _pack("seq")
+        self.encode_decision = decision_encoder(instance)  # (seq, depth) -> the decision frame
         self.cadence = Cadence(self)  # when its steps come, for hybrid polling
         self.last_frame = b""  # its last step record, to warm the path before the next one
         self.scratch: Featurizer | None = None  # a Featurizer for warming, never for decisions
@@ -424,7 +420,7 @@ class Server:
                 session.scratch.update_with(step, session.fused, accept_u8)
             else:
                 session.scratch.update(step, accept_u8)
-            _pack(step.seq)
+            session.encode_decision(step.seq, session.depths[0])
         except Exception:  # warming is an optimisation: never let it cost a decision
             session.last_frame = b""
 
@@ -509,7 +505,7 @@ class Server:
                 f"policy {self.factory.name} answered action {action} for {len(depths)} depths"
             )
         depth = depths[action]
-        payload = session.decision_head + _pack(seq) + _DEPTH_TAIL[depth]
+        payload = session.encode_decision(seq, depth)
         sock = self._sock
         try:
             # ROUTER without ROUTER_MANDATORY drops what it cannot route instead of blocking or
@@ -586,17 +582,7 @@ class Server:
         session.ident = ident
         self._tick += 1
         session.active = self._tick
-        self._send(
-            ident,
-            _pack(
-                {
-                    "t": "welcome",
-                    "v": PROTOCOL_VERSION,
-                    "policy": self.factory.name,
-                    "features": FEATURIZER_VERSION,
-                }
-            ),
-        )
+        self._send(ident, encode(Welcome(self.factory.name, FEATURIZER_VERSION)))
         self.stats.hellos += 1
         self.stats.instances = len(self._sessions)
         if session.writer is not None:
@@ -620,7 +606,7 @@ class Server:
     def _reply_error(self, ident: bytes, code: str, msg: str) -> None:
         self.stats.count_error(code)
         log.debug("error %s: %s", code, msg)
-        self._send(ident, _pack({"t": "error", "v": PROTOCOL_VERSION, "code": code, "msg": msg[:1024]}))
+        self._send(ident, encode(Error(code, msg[:1024])))
 
     # ------------------------------------------------------------------ sessions and files
 
