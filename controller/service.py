@@ -53,12 +53,13 @@ from typing import Any, cast
 
 import zmq
 
+from controller.cpus import usable_cpus
 from controller.errors import ConfigError, ControllerError, PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.features import warm_up as warm_up_featurizer
 from controller.metrics import LATENCY_BUCKETS_NS, ServiceStats
 from controller.policy import Policy, PolicyFactory, StaticPolicy, make_factory
-from controller.polling import Cadence, SpinPlanner, usable_cpus
+from controller.polling import Cadence, SpinPlanner
 from controller.protocol import (
     DEFAULT_ENDPOINT,
     MAX_DEPTH,

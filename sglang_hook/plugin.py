@@ -37,11 +37,12 @@ import socket
 import time
 from typing import Any
 
+from controller.cpus import usable_cpus
 from controller.errors import ConfigError
 from controller.protocol import MAX_STEP_US, Hello, Step
 from sglang_hook import compat
 from sglang_hook.actuator import ActuatorState, DepthSync, TpSync, log_once, wrap_controller_params
-from sglang_hook.config import HookConfig, auto_client_thread, usable_cpus
+from sglang_hook.config import HookConfig, auto_client_thread
 
 logger = logging.getLogger("sglang_hook")
 
@@ -206,7 +207,7 @@ class HookRuntime:
             if thread is None:
                 cpus = usable_cpus()
                 thread = auto_client_thread(spec_on, cpus)
-                why = f"auto: speculation {'on' if spec_on else 'off'}, {cpus} CPUs"
+                why = f"auto: speculation {'on' if spec_on else 'off'}, {cpus:g} CPUs"
             mode = "on" if thread else "off"
             if thread:
                 tick = self.config.client_tick_ms

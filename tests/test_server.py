@@ -736,7 +736,8 @@ def test_busy_poll_spins_while_steps_flow_and_stops_on_sigterm(workdir: Path) ->
 @pytest.mark.parametrize("poll", ["hybrid", "block"])
 def test_hybrid_polling_polls_only_around_due_steps(workdir: Path, poll: str) -> None:
     """The default polls without sleeping around each due step, within its budget; same answers."""
-    from controller.polling import LEAD_MAX_NS, usable_cpus
+    from controller.cpus import usable_cpus
+    from controller.polling import LEAD_MAX_NS
 
     if poll == "hybrid" and usable_cpus() < 2:
         pytest.skip("hybrid polling needs 2 CPUs (it blocks on fewer)")
