@@ -17,7 +17,3 @@ class PolicyLoadError(ControllerError):
 
 class TraceError(ControllerError):
     """A trace folder or file that cannot be read."""
-
-
-class FitError(ControllerError):
-    """Input to fitting that cannot be used; the message names the file and the problem."""

@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from controller.errors import FitError, TraceError
+from controller.errors import TraceError
 from controller.protocol import Step
 from env.acceptance import AcceptanceParams, accept_length_pmf, calibrate_to_conditionals, fit_acceptance
+from env.errors import FitError
 from env.latency import LatencyParams, fit_profile, profile_mape, read_profile, step_time_us_vec
 from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from controller._jit import maybe_njit
-from controller.errors import FitError
+from env.errors import FitError
 
 TARGET_LOSS = "linear"
 SIZE_WEIGHT_EXP = 0.0

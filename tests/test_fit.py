@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 
 from controller.cli import main as cli_main
-from controller.errors import FitError
 from env.acceptance import AcceptanceParams, accept_length_pmf, fit_acceptance, marginal_conditionals
 from env.deployments import load_deployment
+from env.errors import FitError
 from env.fit import fit_sim, predict_profile
 from env.latency import fit_profile, predict_component_ms, profile_mape, read_profile, step_us
 
