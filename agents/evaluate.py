@@ -54,12 +54,13 @@ from typing import Any
 
 import numpy as np
 
+from controller.baselines import BASELINES
 from controller.errors import ConfigError
-from controller.policy import Policy, make_factory
+from controller.policy import Policy
+from controller.registry import make_factory
 
 DEFAULT_DEPTHS = (0, 1, 2, 3, 5)
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 250)
-ADAPTIVE = ("vllm-dsd", "trtllm-schedule", "sglang-adaptive", "goodput", "bandit")
 POISSON_LOADS = (0.3, 0.6, 0.85)
 
 
@@ -166,7 +167,7 @@ def _build_policy(spec: str, depths: tuple[int, ...], params: Any) -> Policy:
 
         return OraclePolicy(depths)
     if spec == "goodput":
-        from agents.baselines import GoodputPolicy
+        from controller.baselines import GoodputPolicy
         from env.latency import step_time_us
 
         lat = params.latency
@@ -281,7 +282,7 @@ def _policy_list(cfg: EvalConfig, depths: tuple[int, ...]) -> list[tuple[str, st
     """(display name, spec) of every policy to run."""
     out: list[tuple[str, str]] = []
     if cfg.baselines == "all":
-        names = [f"static:{d}" for d in depths] + list(ADAPTIVE) + ["oracle"]
+        names = [f"static:{d}" for d in depths] + list(BASELINES) + ["oracle"]
     elif cfg.baselines == "none":
         names = []
     else:

@@ -203,7 +203,7 @@ def capacity_req_s(params: Any, depths: tuple[int, ...]) -> float:
     not as completions in the window: with long outputs few requests finish in 20 s, and
     counting them would put every Poisson workload of the pool far below real load.
     """
-    from controller.policy import StaticPolicy
+    from controller.baselines import StaticPolicy
     from env.runner import simulate
 
     cap = max(1, params.engine.max_running_requests)

@@ -469,7 +469,7 @@ BUSY_POLL_US = 20_000  # longer than a decode step: a replica's steps keep the s
 
 def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
     """In-process cost of the pieces of the in-controller path (µs p50, p99)."""
-    from controller.policy import make_factory
+    from controller.registry import make_factory
 
     factory = make_factory(str(policy_zip))
     policy = factory(DEPTHS)

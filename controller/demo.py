@@ -65,8 +65,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import numpy as np
 
     from controller.client import ControllerClient
-    from controller.policy import make_factory
     from controller.protocol import Hello
+    from controller.registry import make_factory
     from controller.traces import summarize
     from env.deployments import load_deployment
     from env.engine import Engine

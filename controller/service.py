@@ -53,12 +53,13 @@ from typing import Any, cast
 
 import zmq
 
+from controller.baselines import StaticPolicy
 from controller.cpus import usable_cpus
 from controller.errors import ConfigError, ControllerError, PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.features import warm_up as warm_up_featurizer
 from controller.metrics import LATENCY_BUCKETS_NS, ServiceStats
-from controller.policy import Policy, PolicyFactory, StaticPolicy, make_factory
+from controller.policy import FusedPolicy, Policy, PolicyFactory, ServingFactory
 from controller.polling import Cadence, SpinPlanner
 from controller.protocol import (
     DEFAULT_ENDPOINT,
@@ -75,6 +76,7 @@ from controller.protocol import (
     read_step,
     unpack,
 )
+from controller.registry import make_factory
 from controller.traces import TraceWriter, add_rx
 
 log = logging.getLogger("controller.service")
@@ -237,7 +239,7 @@ class _Session:
         self.featurizer = Featurizer(depths)
         self.policy = policy
         # The policy's fused Featurizer + policy kernel, if it has one (PPOPolicy.fused).
-        self.fused: Callable[..., int] | None = getattr(policy, "fused", None)
+        self.fused: Callable[..., int] | None = policy.fused if isinstance(policy, FusedPolicy) else None
         self.last_seq: int | None = None
         self.writer = writer
         self.active = 0
@@ -274,9 +276,8 @@ class Server:
         if not 0 < config.spin_budget <= 1:
             raise ConfigError(f"spin budget {config.spin_budget}: must be in (0, 1]")
         self.factory = factory if factory is not None else load_policy(config.policy)
-        prepare = getattr(self.factory, "prepare_serving", None)
-        if prepare is not None:  # e.g. compile a PPO zip's fused kernel now, not at the first step
-            prepare()
+        if isinstance(self.factory, ServingFactory):
+            self.factory.prepare_serving()  # e.g. compile a PPO zip's fused kernel now, not at the first step
         # Before binding: a hook that connects must get its first decision at full speed, not
         # after numba compiled (or loaded) the Featurizer on that first step.
         warm_up_featurizer()
@@ -573,7 +574,7 @@ class Server:
             session.depths = hello.depths
             session.featurizer = Featurizer(hello.depths)
             session.policy = policy
-            session.fused = getattr(policy, "fused", None)
+            session.fused = policy.fused if isinstance(policy, FusedPolicy) else None
             session.last_seq = None
             # The last record and the scratch Featurizer were for the old depths: warming must
             # not run the new kernel on them.
@@ -762,8 +763,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--policy",
         required=True,
         metavar="SPEC",
-        help="a PPO zip written by `controller train`, or builtin:NAME (e.g. builtin:static:3 = always depth 3; "
-        "the baselines of agents/ register more builtins)",
+        help="a PPO zip written by `controller train`, or builtin:NAME: builtin:static:3 (always depth 3; any "
+        "static:K), vllm-dsd, trtllm-schedule, sglang-adaptive, goodput, bandit",
     )
     p.add_argument(
         "--bind",

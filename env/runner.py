@@ -14,7 +14,7 @@ import numpy as np
 
 from controller.errors import ConfigError
 from controller.features import Featurizer
-from controller.policy import Policy
+from controller.policy import EngineBound, Policy
 from env.engine import Engine
 from env.params import SimParams
 
@@ -83,8 +83,8 @@ def simulate(
     Args:
         params: the deployment.
         workload: a workload spec (see :mod:`env.workload`).
-        policy: any :class:`controller.policy.Policy`; if it has ``bind_engine(engine)`` that
-            is called first (the clairvoyant oracle uses it).
+        policy: any :class:`controller.policy.Policy`; an :class:`~controller.policy.EngineBound`
+            one (the clairvoyant oracle) is bound to the engine first.
         depths: the allowed depths (the policy's action indexes them).
         seed: RNG seed of the engine.
         duration_s: stop once simulated time reaches this.
@@ -110,9 +110,8 @@ def simulate(
         raise ConfigError("simulate: give duration_s or n_requests for an endless workload")
     feat = Featurizer(depths)
     policy.reset()
-    bind = getattr(policy, "bind_engine", None)
-    if callable(bind):
-        bind(engine)
+    if isinstance(policy, EngineBound):
+        policy.bind_engine(engine)
     pending: deque[int] = deque([0] * action_delay)
     limit_us = None if duration_s is None else int(duration_s * 1e6)
     t_list: list[int] = []

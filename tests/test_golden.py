@@ -123,7 +123,7 @@ def trace_streams() -> dict[str, tuple[tuple[int, ...], list[Any]]]:
 
 
 def _policy(spec: str, depths: tuple[int, ...]) -> Any:
-    from controller.policy import make_factory
+    from controller.registry import make_factory
 
     return make_factory(spec, depths)(depths)
 
@@ -135,7 +135,7 @@ def _ppo_specs() -> dict[str, str]:
 def decisions(stream: list[Any], depths: tuple[int, ...]) -> dict[str, str]:
     """Each policy's actions over ``stream`` (a digit per step), as the service decides them."""
     from controller.features import Featurizer
-    from controller.policy import make_factory
+    from controller.registry import make_factory
 
     specs = {name: f"builtin:{name}" for name in BUILTINS}
     if depths == DEPTHS:

@@ -20,7 +20,7 @@ from gymnasium import spaces
 from controller._jit import JIT_ENABLED
 from controller.errors import PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer
-from controller.policy import make_factory
+from controller.policy import FusedPolicy, ServingFactory
 from controller.ppo_policy import (
     META_NAME,
     PPOMeta,
@@ -31,6 +31,7 @@ from controller.ppo_policy import (
     write_metadata,
 )
 from controller.protocol import Step
+from controller.registry import make_factory
 
 DEPTHS = (0, 1, 2, 3, 5)
 
@@ -319,6 +320,7 @@ def test_the_fused_kernel_featurizes_and_acts_exactly_as_two_calls(tmp_path, act
         pytest.skip("numba is not installed or disabled")
     model, path = _save_model(tmp_path, activation=activation, arch=arch)
     factory = load_ppo_factory(path, DEPTHS)
+    assert isinstance(factory, ServingFactory) and isinstance(factory(DEPTHS), FusedPolicy)
     assert factory(DEPTHS).fused is None  # not before prepare_serving: loading stays cheap
     factory.prepare_serving()
     policy = factory(DEPTHS)

@@ -27,8 +27,8 @@ import zmq
 
 from controller.client import ControllerClient
 from controller.features import FEATURIZER_VERSION, Featurizer
-from controller.policy import make_factory
 from controller.protocol import ERROR_CODES, MAX_FRAME_BYTES, Hello, Step, pack, parse_step
+from controller.registry import make_factory
 from controller.service import ServeConfig, Server
 from controller.traces import iter_records, load_traces
 
