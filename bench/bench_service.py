@@ -57,9 +57,9 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.client import ClientThread, ControllerClient  # noqa: E402
 from controller.features import Featurizer  # noqa: E402
 from controller.protocol import Hello, Step, pack, read_step, unpack  # noqa: E402
+from sglang_hook.client import ClientThread, ControllerClient  # noqa: E402
 
 DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
 ARCH = (64, 64)

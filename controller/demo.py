@@ -64,13 +64,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def _cmd_demo(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from controller.client import ControllerClient
     from controller.protocol import Hello
     from controller.registry import make_factory
     from controller.traces import summarize
     from env.deployments import load_deployment
     from env.engine import Engine
     from env.runner import simulate
+    from sglang_hook.client import ControllerClient
 
     bundled = BUNDLED / args.deployment / "ppo.zip"
     spec = args.policy or str(bundled)

@@ -19,9 +19,9 @@ Hooks (see :mod:`sglang_hook.compat` for the exact targets):
 The scheduler thread reads only what must be read at the step (a few attributes and
 references SGLang never writes into) and hands them to the client, which builds the ``Step``.
 Where SGLang speculates on a host with CPUs to spare (``--spec-client-thread auto``), the client
-is a thread of its own (:class:`controller.client.ClientThread`): it builds, sends and drains,
+is a thread of its own (:class:`sglang_hook.client.ClientThread`): it builds, sends and drains,
 and the scheduler only queues. Elsewhere the scheduler thread does it all, one socket visit per
-record (:class:`controller.client.InlineClient`).
+record (:class:`sglang_hook.client.InlineClient`).
 
 Every hook catches every exception, logs it once, and lets SGLang continue as if the hook
 were absent: a scheduler exception would SIGQUIT the server.
@@ -174,7 +174,7 @@ class HookRuntime:
         if self.client is not None or self._client_failed:
             return self.client
         try:
-            from controller.client import ClientThread, ControllerClient, InlineClient
+            from sglang_hook.client import ClientThread, ControllerClient, InlineClient
 
             spec_on = self.state.valid is not None
             depths = tuple(sorted(self.state.valid)) if spec_on else (0,)  # type: ignore[arg-type]

@@ -416,8 +416,8 @@ def test_the_scheduler_thread_never_touches_the_socket(
     import threading
     import time
 
-    from controller.client import ControllerClient
     from controller.service import ServeConfig, Server
+    from sglang_hook.client import ControllerClient
 
     endpoint = f"ipc://{tmp_path}/ctl.sock"
     server = Server(ServeConfig(policy="builtin:static:3", bind=endpoint))
@@ -462,8 +462,8 @@ def test_client_thread_off_visits_the_socket_on_the_callers_thread(tmp_path: Pat
     import threading
     import time
 
-    from controller.client import InlineClient
     from controller.service import ServeConfig, Server
+    from sglang_hook.client import InlineClient
 
     endpoint = f"ipc://{tmp_path}/ctl.sock"
     server = Server(ServeConfig(policy="builtin:static:3", bind=endpoint))
@@ -497,8 +497,8 @@ def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
     """Inline: the record drains replies before sending; the iteration top drains only when it is stale."""
     import time
 
-    from controller.client import InlineClient
     from controller.protocol import Step
+    from sglang_hook.client import InlineClient
 
     class CountingClient:  # ControllerClient's calls, counted
         def __init__(self) -> None:
@@ -564,8 +564,8 @@ def test_the_step_record_holds_what_sglang_reported(thread: bool) -> None:
     """The scheduler thread captures; the record is built inline or on the client thread, the same."""
     import time
 
-    from controller.client import ClientThread, InlineClient
     from controller.protocol import Step
+    from sglang_hook.client import ClientThread, InlineClient
 
     rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
     rt.instance, rt.hello_depths = "i", DEPTHS
@@ -600,8 +600,8 @@ def test_the_step_record_holds_what_sglang_reported(thread: bool) -> None:
 
 def test_inline_client_without_speculation_drains_only_now_and_then() -> None:
     """No decision is applied without speculation: a record is one send, replies drain rarely."""
-    from controller.client import InlineClient
     from controller.protocol import Step
+    from sglang_hook.client import InlineClient
 
     class CountingClient(RecordingClient):
         polls = 0
@@ -699,7 +699,7 @@ def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_wind
     """SPECDEPTH_PROFILE_OUT: per record, the hook's windows summed, split by site, and the longest one."""
     import gc
 
-    from controller.client import InlineClient
+    from sglang_hook.client import InlineClient
 
     out = tmp_path / "prof.jsonl"
     monkeypatch.setenv(plugin.ENV_PROFILE_OUT, str(out))

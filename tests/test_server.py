@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 import zmq
 
-from controller.client import ControllerClient
 from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.protocol import ERROR_CODES, MAX_FRAME_BYTES, Hello, Step, pack, parse_step
 from controller.registry import make_factory
 from controller.service import ServeConfig, Server
 from controller.traces import iter_records, load_traces
+from sglang_hook.client import ControllerClient
 
 DEPTHS = (0, 1, 2, 3, 4, 5)
 
@@ -924,7 +924,7 @@ def test_warming_a_session_before_its_step_changes_nothing_it_decides(workdir: P
 
 def test_service_and_client_import_no_heavy_modules() -> None:
     code = (
-        "import sys; before = set(sys.modules); import controller.service, controller.client; "
+        "import sys; before = set(sys.modules); import controller.service, sglang_hook.client; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; print(sorted(new))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -932,12 +932,12 @@ def test_service_and_client_import_no_heavy_modules() -> None:
         out
     )
     code = (
-        "import sys; before = set(sys.modules); import controller.client; "
+        "import sys; before = set(sys.modules); import sglang_hook.client; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "print(sorted(m for m in new if m not in sys.stdlib_module_names and not m.startswith('_')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert set(eval(out)) <= {"controller", "msgpack", "zmq", "cython_runtime"}, out
+    assert set(eval(out)) <= {"controller", "sglang_hook", "msgpack", "zmq", "cython_runtime"}, out
 
 
 def test_a_message_over_1_mib_disconnects_only_its_sender(workdir: Path) -> None:
