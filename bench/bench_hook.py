@@ -99,7 +99,7 @@ def wave(port: int, n: int, tokens: int) -> None:
 
 
 def read_profile(path: Path) -> dict[str, list[int]]:
-    from sglang_hook.plugin import PROFILE_KEYS
+    from sglang_hook.profiler import PROFILE_KEYS
 
     out: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
     if path.is_file():
