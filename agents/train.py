@@ -362,18 +362,11 @@ def _fit_actor(
         return float(regret[torch.arange(n), greedy].mean())
 
 
-def _numpy_actor(model: Any):
-    """The model's current actor as the numpy MLP that serving uses."""
-    from controller.ppo_policy import MLP
+def _serving_actor(model: Any):
+    """The model's current actor as the MLP that serving evaluates (the same forward pass)."""
+    from controller.ppo_policy import MLP, policy_net_layers
 
-    sd = model.policy.state_dict()
-    hidden = sorted(
-        int(k.split(".")[2])
-        for k in sd
-        if k.startswith("mlp_extractor.policy_net.") and k.endswith(".weight")
-    )
-    names = [f"mlp_extractor.policy_net.{i}" for i in hidden] + ["action_net"]
-    return MLP([(sd[f"{n}.weight"].numpy(), sd[f"{n}.bias"].numpy()) for n in names], "tanh")
+    return MLP(policy_net_layers(model.policy.state_dict()), "tanh")
 
 
 def warm_start(
@@ -388,7 +381,7 @@ def warm_start(
         # Round 1: the oracle with 30% random actions, covering the states a decent policy visits
         # and the ones its mistakes lead to (stale drafter after depth 0, queues after deep steps).
         # Later rounds: the current network with 10% random actions (DAgger).
-        mlp = _numpy_actor(model) if r > 0 else None  # ~30× faster than a torch forward per step
+        mlp = _serving_actor(model) if r > 0 else None  # ~30× faster than a torch forward per step
 
         def act(obs: np.ndarray, rates: np.ndarray, mlp: Any = mlp) -> int:
             if mlp is None:
