@@ -274,8 +274,8 @@ def make_sglang_adaptive(name: str, depths: tuple[int, ...]) -> Policy:
 class GoodputPolicy:
     """SmartSpec-style goodput maximiser: argmax over depths of expected tokens per second.
 
-    Expected tokens per request at depth k come from the Featurizer's per-position conditional
-    acceptance (``p_accept_i`` in the observation): 1 + Σ_{i≤k} Π_{j≤i} p_j. The step cost
+    Expected tokens per request at depth k are the Featurizer's estimate, 1 + Σ_{i≤k} Π_{j≤i} p_j
+    over its per-position conditional acceptance (``tokens_k`` in the observation). The step cost
     comes from ``latency_fn(depth, bs, ctx_tokens)`` (a fitted model, µs) when given; without
     one (``controller serve`` with no sim), from the Featurizer's measured latency table
     (``lat_ratio_k``), probing, every ``probe_every`` steps, a depth whose cost in this
@@ -305,9 +305,8 @@ class GoodputPolicy:
         self.probe_every = probe_every
         self.probe_zero_every = probe_zero_every
         names = Featurizer(depths).feature_names
-        self._p_idx = [names.index(f"p_accept_{i}") for i in range(1, depths[-1] + 1)]
+        self._tokens_idx = [names.index(f"tokens_{d}") for d in depths]
         self._gp_idx = [names.index(f"goodput_{d}") for d in depths]
-        self._stale_idx = [names.index(f"lat_stale_{d}") for d in depths]
         self.reset()
 
     def reset(self) -> None:
@@ -317,13 +316,9 @@ class GoodputPolicy:
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, action) -> last step measured
 
     def expected_tokens(self, obs: np.ndarray) -> list[float]:
-        """Expected tokens per request-step at each allowed depth, from the observation."""
-        cum, run, out = 1.0, 1.0, {0: 1.0}
-        for i, j in enumerate(self._p_idx, start=1):
-            run *= float(obs[j])
-            cum += run
-            out[i] = cum
-        return [out[d] for d in self.depths]
+        """Expected tokens per request-step at each allowed depth: the observation's
+        ``tokens_k``, which the Featurizer reports divided by k + 1."""
+        return [float(obs[j]) * (d + 1) for j, d in zip(self._tokens_idx, self.depths)]
 
     def act(self, obs: np.ndarray, step: Step) -> int:
         self._t += 1
