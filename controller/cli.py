@@ -4,6 +4,9 @@ Each subcommand lives in the module that owns the job and exposes
 ``register(subparsers)``; heavy imports (torch, SB3, gymnasium) happen inside the handlers, so
 ``controller --help`` stays fast and works in the hook's lean environment.
 
+This module is the top of the layering (tests/test_layering.py): the one module that may reach
+every layer, and it does so only by name (:data:`SUBCOMMAND_MODULES`), when the parser is built.
+
 Only this module exits the process: library code raises :class:`ControllerError` (or
 ``OSError`` for files), which becomes one line on stderr and exit status 2.
 """
@@ -22,7 +25,7 @@ SUBCOMMAND_MODULES = (
     "controller.traces",  # traces summarize
     "env.cli",  # fit, bench
     "agents.cli",  # train, eval
-    "controller.demo",  # demo
+    "agents.demo",  # demo
 )
 
 

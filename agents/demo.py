@@ -27,7 +27,7 @@ from pathlib import Path
 
 from controller.errors import ConfigError
 
-BUNDLED = Path(__file__).resolve().parent.parent / "agents" / "bundled"
+BUNDLED = Path(__file__).resolve().parent / "bundled"
 DEPTHS = (0, 1, 2, 3, 5)
 
 
