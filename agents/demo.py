@@ -11,7 +11,9 @@ What it shows, on bundled data only:
 3. What the controller decided as load rose, and what that was worth: the same workload and
    seed replayed in-process for the static depths and SGLang's own adaptive rule, side by side.
    The in-process replay of the served policy must pick exactly the served decisions (parity).
-4. The recorded trace, summarized — the input ``controller train --traces`` retrains on.
+4. The recorded trace, summarized — the input ``controller train --traces`` retrains on. Each
+   run records into a fresh folder of its own, ``RECORD/<date>-<time>-<pid>/``, so the summary
+   is this run's alone.
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--seed", type=int, default=0, help="simulation seed (default: %(default)s)")
     p.add_argument(
-        "--record", default="runs/demo", help="folder for the controller's trace (default: %(default)s)"
+        "--record",
+        default="runs/demo",
+        help="each run records its trace into a fresh subfolder RECORD/<date>-<time>-<pid>/ "
+        "(default RECORD: %(default)s)",
     )
     p.set_defaults(func=_cmd_demo)
 
@@ -81,8 +86,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     spec = args.policy or str(bundled)
     factory = make_factory(spec, DEPTHS)  # fail here, with the CLI's one-line error, not in the server
     params = load_deployment(args.deployment)
-    record_dir = Path(args.record)
-    record_dir.mkdir(parents=True, exist_ok=True)
+    record_dir = _run_folder(Path(args.record))
 
     print(f"== 1. serving {spec} (a real `controller serve` process), recording to {record_dir}/")
     tmp = tempfile.mkdtemp(prefix="specdepth-demo-")
@@ -173,6 +177,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"\n== 4. the recorded trace ({record_dir}/), ready for `controller train --traces {record_dir}`")
     print(summarize(str(record_dir)))
     return 0 if same else 1
+
+
+def _run_folder(parent: Path) -> Path:
+    """A new, empty folder for this run's trace under ``parent`` (created)."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for n in range(1000):
+        folder = parent / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the demo's record folder {str(folder)!r}: {exc.strerror or exc}"
+            ) from None
+        return folder
+    raise ConfigError(f"no free run folder under {str(parent)!r}")
 
 
 def _drive(
