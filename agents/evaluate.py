@@ -57,9 +57,9 @@ import numpy as np
 from controller.baselines import BASELINES
 from controller.errors import ConfigError
 from controller.policy import Policy
+from controller.protocol import DEFAULT_DEPTHS
 from controller.registry import make_factory
 
-DEFAULT_DEPTHS = (0, 1, 2, 3, 5)
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 250)
 POISSON_LOADS = (0.3, 0.6, 0.85)
 

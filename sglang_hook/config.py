@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from controller.errors import ConfigError
-from controller.protocol import MAX_DEPTH, MAX_DEPTHS, MAX_INSTANCE_CHARS
+from controller.protocol import DEFAULT_DEPTHS, MAX_DEPTH, MAX_DEPTHS, MAX_INSTANCE_CHARS
 
 ENV_ENDPOINT = "SPECDEPTH_CONTROLLER"
 ENV_DEPTHS = "SPECDEPTH_DEPTHS"
@@ -26,7 +26,6 @@ ENV_CLIENT_TICK_MS = "SPECDEPTH_CLIENT_TICK_MS"
 ENV_SINGLE_RANK = "SPECDEPTH_SINGLE_RANK"
 AUTO_THREAD_MIN_CPUS = 4  # --spec-client-thread auto: fewer, and the thread slows the scheduler
 
-DEFAULT_DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 5)
 DEFAULT_STALE_MS = 200.0
 # The client thread looks at its queue every this many ms while records flow, so handing a
 # record over is a bare append (on the H200: 1.6 µs against 4.6 µs for a wake per record, the
