@@ -213,7 +213,7 @@ class MLP:
         layers, relu = self._layers, self._relu
 
         def argmax(x: np.ndarray) -> int:
-            return _mlp_argmax(x, layers, relu)  # type: ignore[no-any-return]
+            return _mlp_argmax(x, layers, relu)
 
         return njit_uncached(argmax)
 
@@ -234,7 +234,7 @@ class MLP:
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
         if self._compiled:
-            return _mlp_argmax(x, self._layers, self._relu)  # type: ignore[no-any-return]
+            return _mlp_argmax(x, self._layers, self._relu)
         return int(np.argmax(_plain(mlp_logits)(x, self._layers, self._relu)))
 
 

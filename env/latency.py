@@ -130,7 +130,7 @@ _gemm_kernel = maybe_njit(_gemm)
 
 def gemm_us(lp: LatencyParams, n_tokens: np.ndarray | float) -> np.ndarray | float:
     """GEMM time of a pass over ``n_tokens`` new tokens: smooth max of weight read and compute."""
-    return _gemm(lp.w_us, lp.f_us_per_tok, lp.p, n_tokens)  # type: ignore[no-any-return]
+    return _gemm(lp.w_us, lp.f_us_per_tok, lp.p, n_tokens)
 
 
 def attn_us(lp: LatencyParams, batch, q, ctx_tokens, kernel: str = "best"):
@@ -445,12 +445,12 @@ def step_time_us(
     lp: LatencyParams, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float = 0.0
 ) -> float:
     """Expected wall time of one engine step (decode/verify at ``depth`` plus prefill), µs."""
-    return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens)  # type: ignore[no-any-return]
+    return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens)
 
 
 def prefill_us(lp: LatencyParams, prefill_tokens: float) -> float:
     """Time of prefilling ``prefill_tokens`` prompt tokens between two decode steps, µs."""
-    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens)  # type: ignore[no-any-return]
+    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens)
 
 
 def step_times_us(lp: LatencyParams, bs: Any, depth: Any, ctx_tokens: Any, prefill_tokens: Any) -> np.ndarray:
