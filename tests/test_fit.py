@@ -136,11 +136,19 @@ def test_fit_corrupt_trace_names_the_file(tmp_path):
         fit_sim(str(tmp_path), [])
 
 
-def test_fit_truncated_trace_uses_the_records_before_the_tear(tmp_path):
+@pytest.mark.parametrize("gzipped", [False, True], ids=["plain", "gzip"])
+def test_fit_truncated_trace_uses_the_records_before_the_tear(tmp_path, gzipped):
+    from controller.errors import TraceWarning
+
     src = next((EXAMPLES / "seed").glob("*closed8*"))
-    data = gzip.decompress(src.read_bytes())
-    (tmp_path / "t-1.msgpack").write_bytes(data[: len(data) - 37])  # torn last record
-    params, report = fit_sim(str(tmp_path), [])
+    if gzipped:  # the gzip stream cut short, as a plain file is by a crash
+        packed = src.read_bytes()
+        (tmp_path / "t-1.msgpack.gz").write_bytes(packed[: len(packed) - 1000])
+    else:
+        data = gzip.decompress(src.read_bytes())
+        (tmp_path / "t-1.msgpack").write_bytes(data[: len(data) - 37])  # torn last record
+    with pytest.warns(TraceWarning, match="t-1.msgpack"):
+        params, report = fit_sim(str(tmp_path), [])
     assert report.n_steps > 1000
 
 
