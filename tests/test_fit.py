@@ -19,13 +19,11 @@ from env.errors import FitError
 from env.fit import fit_sim, predict_profile
 from env.latency import fit_profile, predict_component_ms, profile_mape, read_profile, step_time_us
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
-PROFILE = REF / "h200_llama8b" / "latency.csv"
-EXAMPLES = Path(__file__).resolve().parents[1] / "env" / "example_traces"
-needs_ref = pytest.mark.skipif(not PROFILE.exists(), reason="needs ../shared/reference")
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "env" / "profiles" / "h200_llama8b" / "latency.csv"  # shipped: no test skips for it
+EXAMPLES = ROOT / "env" / "example_traces"
 
 
-@needs_ref
 def test_latency_fit_predicts_held_out_profile_rows_within_5_percent():
     df = read_profile(str(PROFILE))
     rng = np.random.default_rng(0)
@@ -37,7 +35,6 @@ def test_latency_fit_predicts_held_out_profile_rows_within_5_percent():
     assert mape["draft"] <= 6.0 and mape["draft_nofc"] <= 6.0
 
 
-@needs_ref
 def test_latency_model_extrapolates_sanely():
     lp = load_deployment("h200-llama8b").latency
     # Monotone in batch, depth and context; linear (not explosive) far past the fitted range.
@@ -90,7 +87,6 @@ def test_fit_recovers_the_deployment_from_its_own_traces():
     assert "fitted" in str(report)
 
 
-@needs_ref
 def test_fit_cli_with_profile_holdout_and_predictions(tmp_path, capsys):
     df = pd.read_csv(PROFILE)
     held = df.sample(frac=0.2, random_state=1)
