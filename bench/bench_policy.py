@@ -9,7 +9,7 @@ what it runs without (timed on fewer observations: it is three orders of magnitu
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -45,12 +45,13 @@ def main() -> None:
     import torch
     from stable_baselines3 import PPO
 
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("zip", nargs="?", type=Path, help="a PPO zip (default: the bundled h200-llama8b one)")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     bundled = Path(__file__).resolve().parents[1] / "agents" / "bundled" / "h200-llama8b" / "ppo.zip"
     with tempfile.TemporaryDirectory() as tmp:
-        path = (
-            Path(sys.argv[1]) if len(sys.argv) > 1 else bundled if bundled.exists() else _fresh_zip(Path(tmp))
-        )
+        path = args.zip if args.zip else bundled if bundled.exists() else _fresh_zip(Path(tmp))
         factory = load_ppo_factory(path)
         policy = factory(factory.meta.depths)
         obs = np.random.default_rng(0).normal(0, 1, (N, factory.meta.obs_dim)).astype(np.float32)
