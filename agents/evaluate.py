@@ -54,12 +54,13 @@ from typing import Any
 
 import numpy as np
 
+from controller.baselines import BASELINES
 from controller.errors import ConfigError
-from controller.policy import Policy, make_factory
+from controller.policy import Policy
+from controller.protocol import DEFAULT_DEPTHS
+from controller.registry import make_factory
 
-DEFAULT_DEPTHS = (0, 1, 2, 3, 5)
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 250)
-ADAPTIVE = ("vllm-dsd", "trtllm-schedule", "sglang-adaptive", "goodput", "bandit")
 POISSON_LOADS = (0.3, 0.6, 0.85)
 
 
@@ -97,6 +98,20 @@ class EvalConfig:
     nonstationary_s: float = 60.0
     trace_policies: tuple[str, ...] = ("ppo", "sglang-adaptive", "goodput", "oracle")
 
+    def __post_init__(self) -> None:
+        # Checked here, before any simulation: a bad value must not surface hours (or a progress
+        # bar) later as a failing run.
+        if not self.concurrency or any(type(c) is not int or c < 1 for c in self.concurrency):
+            raise ConfigError(f"--concurrency: every C must be an integer >= 1, got {list(self.concurrency)}")
+        if self.seeds < 1:
+            raise ConfigError(f"--seeds must be >= 1, got {self.seeds}")
+        if not (self.scale > 0 and math.isfinite(self.scale)):
+            raise ConfigError(f"--scale must be a positive number, got {self.scale}")
+        if self.jobs < 1:
+            raise ConfigError(f"--jobs must be >= 1, got {self.jobs}")
+        if self.depths is not None and (not self.depths or self.depths[0] < 0):
+            raise ConfigError(f"--depths must be non-negative, got {list(self.depths)}")
+
     @classmethod
     def from_args(cls, args: Any, depths: tuple[int, ...] | None) -> EvalConfig:
         conc: tuple[int, ...] = DEFAULT_CONCURRENCY
@@ -116,7 +131,7 @@ class EvalConfig:
             seeds=args.seeds if args.seeds is not None else 5,
             scale=args.scale if args.scale is not None else 1.0,
             concurrency=conc,
-            jobs=max(1, args.jobs),
+            jobs=args.jobs,
             depths=depths,
         )
 
@@ -166,7 +181,7 @@ def _build_policy(spec: str, depths: tuple[int, ...], params: Any) -> Policy:
 
         return OraclePolicy(depths)
     if spec == "goodput":
-        from agents.baselines import GoodputPolicy
+        from controller.baselines import GoodputPolicy
         from env.latency import step_time_us
 
         lat = params.latency
@@ -281,7 +296,7 @@ def _policy_list(cfg: EvalConfig, depths: tuple[int, ...]) -> list[tuple[str, st
     """(display name, spec) of every policy to run."""
     out: list[tuple[str, str]] = []
     if cfg.baselines == "all":
-        names = [f"static:{d}" for d in depths] + list(ADAPTIVE) + ["oracle"]
+        names = [f"static:{d}" for d in depths] + list(BASELINES) + ["oracle"]
     elif cfg.baselines == "none":
         names = []
     else:
@@ -311,8 +326,6 @@ def evaluate(cfg: EvalConfig) -> Path:
             depths = read_ppo_zip(zips[0])[0].depths
         else:
             depths = DEFAULT_DEPTHS
-    if cfg.seeds < 1:
-        raise ConfigError("--seeds must be ≥ 1")
     policies = _policy_list(cfg, depths)
     for _, spec in policies:  # fail before hours of simulation, not after
         _build_policy(spec, depths, params)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-ADAPTIVE = ("vllm-dsd", "trtllm-schedule", "sglang-adaptive", "goodput", "bandit")
+from controller.baselines import BASELINES
 
 
 def _score(results: dict[str, Any], spec: str, policy: str) -> float:
@@ -30,7 +30,7 @@ def check_targets(results: dict[str, Any], learned: str = "ppo") -> list[dict[st
     if learned not in pols:
         return []
     statics = [p for p in pols if p.startswith("static:")]
-    adaptive = [p for p in ADAPTIVE if p in pols]
+    adaptive = [p for p in BASELINES if p in pols]
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: float, threshold: float, detail: str) -> None:

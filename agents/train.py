@@ -12,7 +12,7 @@ The pipeline, top to bottom:
    bursts, chat↔code acceptance phase shifts on closed and open bases), in 30% of episodes a
    drafter of random quality (from useless to near perfect: ``drafter_mix``), and the
    overlap-scheduling action delay drawn from {1, 2}.
-3. **Reward.** :class:`RegretReward` replaces the env's reward with
+3. **Reward.** :class:`RegretReward` (a gymnasium wrapper) replaces the env's reward with
    ``E[rate | state, chosen depth] / max_k E[rate | state, k]`` — the fraction of the best
    achievable expected tokens/s for the batch as it stands, computed from the simulator's
    true per-request acceptance and latency model (privileged information used only for the
@@ -42,11 +42,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 
 from controller.errors import ConfigError
-
-DEFAULT_DEPTHS = (0, 1, 2, 3, 5)
+from controller.protocol import DEFAULT_DEPTHS
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ def capacity_req_s(params: Any, depths: tuple[int, ...]) -> float:
     not as completions in the window: with long outputs few requests finish in 20 s, and
     counting them would put every Poisson workload of the pool far below real load.
     """
-    from controller.policy import StaticPolicy
+    from controller.baselines import StaticPolicy
     from env.runner import simulate
 
     cap = max(1, params.engine.max_running_requests)
@@ -249,40 +249,41 @@ def _rates(engine: Any, depths: tuple[int, ...]) -> np.ndarray:
     return np.array([engine.expected_rate(d) for d in depths], dtype=np.float64)
 
 
-def _make_env_class():
-    import gymnasium as gym
+class RegretReward(gym.Wrapper):
+    """Reward = expected rate of the chosen depth / best expected rate, for the batch as it
+    stands when the decision is made (see the module docstring). ``info["rates"]`` holds the
+    rate vector the reward came from.
 
-    class RegretReward(gym.Wrapper):
-        """Reward = expected rate of the chosen depth / best expected rate, for the batch as it
-        stands when the decision is made (see module docstring). ``info["rates"]`` holds the
-        rate vector the reward came from."""
+    Args:
+        env: a ``SpecDecode-v0`` environment (its engine gives the true rates).
+        use_env_reward: pass the environment's own reward through instead (the
+            ``extra-tokens`` ablation); ``info["rates"]`` is still filled.
+    """
 
-        def __init__(self, env: gym.Env, use_env_reward: bool = False) -> None:
-            super().__init__(env)
-            self.use_env_reward = use_env_reward
-            sim: Any = env.unwrapped  # SpecDecodeEnv: its engine gives the true rates
-            self._sim = sim
-            self.depths: tuple[int, ...] = tuple(sim.depths)
-            self._rates = np.ones(len(self.depths))
+    def __init__(self, env: gym.Env, use_env_reward: bool = False) -> None:
+        super().__init__(env)
+        self.use_env_reward = use_env_reward
+        sim: Any = env.unwrapped
+        self._sim = sim
+        self.depths: tuple[int, ...] = tuple(sim.depths)
+        self._rates = np.ones(len(self.depths))
 
-        def reset(self, **kwargs: Any):
-            obs, info = self.env.reset(**kwargs)
-            self._rates = _rates(self._sim.engine, self.depths)
-            info["rates"] = self._rates
-            return obs, info
+    def reset(self, **kwargs: Any):
+        obs, info = self.env.reset(**kwargs)
+        self._rates = _rates(self._sim.engine, self.depths)
+        info["rates"] = self._rates
+        return obs, info
 
-        def step(self, action: Any):
-            rates = self._rates
-            best = rates.max()
-            reward = float(rates[int(action)] / best) if best > 0 else 1.0
-            obs, env_reward, terminated, truncated, info = self.env.step(action)
-            if self.use_env_reward:
-                reward = float(env_reward)
-            self._rates = _rates(self._sim.engine, self.depths)
-            info["rates"] = self._rates
-            return obs, reward, terminated, truncated, info
-
-    return RegretReward
+    def step(self, action: Any):
+        rates = self._rates
+        best = rates.max()
+        reward = float(rates[int(action)] / best) if best > 0 else 1.0
+        obs, env_reward, terminated, truncated, info = self.env.step(action)
+        if self.use_env_reward:
+            reward = float(env_reward)
+        self._rates = _rates(self._sim.engine, self.depths)
+        info["rates"] = self._rates
+        return obs, reward, terminated, truncated, info
 
 
 def make_env(params: Any, workloads: list[str], cfg: TrainConfig):
@@ -300,7 +301,7 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig):
     )
     if cfg.reward not in ("regret", "extra-tokens"):
         raise ConfigError(f"reward must be 'regret' or 'extra-tokens', got {cfg.reward!r}")
-    return _make_env_class()(env, use_env_reward=cfg.reward == "extra-tokens")
+    return RegretReward(env, use_env_reward=cfg.reward == "extra-tokens")
 
 
 # --------------------------------------------------------------------------- warm start
@@ -362,18 +363,11 @@ def _fit_actor(
         return float(regret[torch.arange(n), greedy].mean())
 
 
-def _numpy_actor(model: Any):
-    """The model's current actor as the numpy MLP that serving uses."""
-    from controller.ppo_policy import MLP
+def _serving_actor(model: Any):
+    """The model's current actor as the MLP that serving evaluates (the same forward pass)."""
+    from controller.ppo_policy import MLP, policy_net_layers
 
-    sd = model.policy.state_dict()
-    hidden = sorted(
-        int(k.split(".")[2])
-        for k in sd
-        if k.startswith("mlp_extractor.policy_net.") and k.endswith(".weight")
-    )
-    names = [f"mlp_extractor.policy_net.{i}" for i in hidden] + ["action_net"]
-    return MLP([(sd[f"{n}.weight"].numpy(), sd[f"{n}.bias"].numpy()) for n in names], "tanh")
+    return MLP(policy_net_layers(model.policy.state_dict()), "tanh")
 
 
 def warm_start(
@@ -388,7 +382,7 @@ def warm_start(
         # Round 1: the oracle with 30% random actions, covering the states a decent policy visits
         # and the ones its mistakes lead to (stale drafter after depth 0, queues after deep steps).
         # Later rounds: the current network with 10% random actions (DAgger).
-        mlp = _numpy_actor(model) if r > 0 else None  # ~30× faster than a torch forward per step
+        mlp = _serving_actor(model) if r > 0 else None  # ~30× faster than a torch forward per step
 
         def act(obs: np.ndarray, rates: np.ndarray, mlp: Any = mlp) -> int:
             if mlp is None:

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from controller._jit import JIT_ENABLED  # noqa: E402
 from controller.features import Featurizer  # noqa: E402
+from controller.protocol import DEFAULT_DEPTHS  # noqa: E402
 from env.deployments import load_deployment  # noqa: E402
 from env.engine import Engine  # noqa: E402
 from env.gym_env import SpecDecodeEnv  # noqa: E402
@@ -39,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     params = load_deployment(args.deployment)
     wl = f"closed:{args.batch}"
-    depths = (0, 1, 2, 3, 5)
+    depths = DEFAULT_DEPTHS
     rng = np.random.default_rng(0)
     actions = [int(a) for a in rng.integers(0, len(depths), size=args.steps)]
 

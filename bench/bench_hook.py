@@ -99,7 +99,7 @@ def wave(port: int, n: int, tokens: int) -> None:
 
 
 def read_profile(path: Path) -> dict[str, list[int]]:
-    from sglang_hook.plugin import PROFILE_KEYS
+    from sglang_hook.profiler import PROFILE_KEYS
 
     out: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
     if path.is_file():
@@ -174,9 +174,9 @@ def warm_reference_us(iters: int = 20000) -> float:
 def bench_runtime() -> Any:
     """The hook's runtime, installed in this process, with a real ClientThread ticking every 1 ms
     toward a controller that is not there (records are built and dropped, as when one is down)."""
-    from controller.client import ClientThread, ControllerClient
     from controller.protocol import Hello
     from sglang_hook import compat, plugin
+    from sglang_hook.client import ClientThread, ControllerClient
     from sglang_hook.config import HookConfig
 
     nobody = f"ipc://{tempfile.gettempdir()}/bench-hook-nobody.sock"

@@ -57,9 +57,9 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.client import ClientThread, ControllerClient  # noqa: E402
 from controller.features import Featurizer  # noqa: E402
 from controller.protocol import Hello, Step, pack, read_step, unpack  # noqa: E402
+from sglang_hook.client import ClientThread, ControllerClient  # noqa: E402
 
 DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
 ARCH = (64, 64)
@@ -469,12 +469,15 @@ BUSY_POLL_US = 20_000  # longer than a decode step: a replica's steps keep the s
 
 def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
     """In-process cost of the pieces of the in-controller path (µs p50, p99)."""
-    from controller.policy import make_factory
+    from controller.policy import FusedPolicy, ServingFactory
+    from controller.protocol import decision_encoder
+    from controller.registry import make_factory
 
     factory = make_factory(str(policy_zip))
     policy = factory(DEPTHS)
     feat = Featurizer(DEPTHS)
     steps = step_stream("bd", n, seed=3)
+    encode_decision = decision_encoder("bd")  # as serve encodes each instance's decisions
     frames = [pack(s.to_wire()) for s in steps]
     parts: dict[str, list[int]] = {
         "decode+validate": [],
@@ -492,35 +495,37 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         t2 = time.perf_counter_ns()
         a = policy.act(obs, st)
         t3 = time.perf_counter_ns()
-        msgpack.packb({"t": "decision", "v": 1, "instance": st.instance, "seq": st.seq, "depth": DEPTHS[a]})
+        encode_decision(st.seq, DEPTHS[a])
         t4 = time.perf_counter_ns()
         sum(range(200))  # the hook profiler's reference, interleaved with the path it scales
         t5 = time.perf_counter_ns()
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             parts[key].append(dt)
         accepts.append(u8)
-    # Reference, timed in the same run: the numpy path a server without numba uses (the
-    # same weights and actions); skipped if the internals differ.
+    # Reference, timed in the same run: the MLP as a server without numba runs it (the same
+    # source as plain Python, the same actions), on the first 200 steps (~1 ms each); skipped
+    # if the internals differ.
     mlp = getattr(policy, "_mlp", None)
-    if getattr(mlp, "_compiled", None) is not None:
-        compiled, ref = mlp._compiled, []  # type: ignore[union-attr]
+    if getattr(mlp, "_compiled", False):
+        ref: list[int] = []
         try:
-            for st in steps:
+            for st in steps[:200]:
                 x = feat.update(st)
-                mlp._compiled = None  # type: ignore[union-attr]
+                mlp._compiled = False  # type: ignore[union-attr]
                 t0 = time.perf_counter_ns()
                 a = mlp.act(x)  # type: ignore[union-attr]
                 ref.append(time.perf_counter_ns() - t0)
-                mlp._compiled = compiled  # type: ignore[union-attr]
+                mlp._compiled = True  # type: ignore[union-attr]
                 assert a == mlp.act(x)  # type: ignore[union-attr]
         finally:
-            mlp._compiled = compiled  # type: ignore[union-attr]
-        parts["reference: the MLP in numpy (no numba)"] = ref
+            mlp._compiled = True  # type: ignore[union-attr]
+        parts["reference: the MLP uncompiled (no numba)"] = ref
     # What serve runs for a PPO zip: the Featurizer and the MLP in one compiled call.
-    prepare = getattr(factory, "prepare_serving", None)
-    if prepare is not None:
-        prepare()
-        kernel, fused_feat, fused = getattr(factory(DEPTHS), "fused", None), Featurizer(DEPTHS), []
+    if isinstance(factory, ServingFactory):
+        factory.prepare_serving()
+        served = factory(DEPTHS)
+        kernel = served.fused if isinstance(served, FusedPolicy) else None
+        fused_feat, fused = Featurizer(DEPTHS), []
         if kernel is not None:
             for st, u8 in zip(steps, accepts):
                 t0 = time.perf_counter_ns()
@@ -528,8 +533,8 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
                 fused.append(time.perf_counter_ns() - t0)
             parts["featurize + policy in one fused call (serve's path)"] = fused
     parts["reply send (2 frames, ROUTER to ipc peer)"] = reply_send_ns(n)
-    skip = n // 10
-    return {k: (pct(v[skip:], 50), pct(v[skip:], 99)) for k, v in parts.items()}
+    # Each part's first tenth is warm-up.
+    return {k: (pct(v[len(v) // 10 :], 50), pct(v[len(v) // 10 :], 99)) for k, v in parts.items()}
 
 
 def reply_send_ns(n: int) -> list[int]:

@@ -4,8 +4,13 @@ Each subcommand lives in the module that owns the job and exposes
 ``register(subparsers)``; heavy imports (torch, SB3, gymnasium) happen inside the handlers, so
 ``controller --help`` stays fast and works in the hook's lean environment.
 
+This module is the top of the layering (tests/test_layering.py): the one module that may reach
+every layer, and it does so only by name (:data:`SUBCOMMAND_MODULES`), when the parser is built.
+
 Only this module exits the process: library code raises :class:`ControllerError` (or
-``OSError`` for files), which becomes one line on stderr and exit status 2.
+``OSError`` for files), which becomes one line on stderr and exit status 2. A
+:class:`ControllerWarning` (the work went on with less than it was given, e.g. a trace with a
+torn tail) becomes one line on stderr each time it is raised.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+from collections.abc import Callable
+from typing import TextIO
 
-from controller.errors import ControllerError
+from controller.errors import ControllerError, ControllerWarning
 
 # Modules that add subcommands, in the order `--help` lists them.
 SUBCOMMAND_MODULES = (
@@ -22,7 +30,7 @@ SUBCOMMAND_MODULES = (
     "controller.traces",  # traces summarize
     "env.cli",  # fit, bench
     "agents.cli",  # train, eval
-    "controller.demo",  # demo
+    "agents.demo",  # demo
 )
 
 
@@ -50,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with warnings.catch_warnings():  # restores the warning filters and showwarning on return
+        warnings.simplefilter("always", ControllerWarning)
+        warnings.showwarning = _one_line_warnings(args.command, warnings.showwarning)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -61,6 +76,26 @@ def main(argv: list[str] | None = None) -> int:
         where = f" {exc.filename!r}" if getattr(exc, "filename", None) else ""
         print(f"controller {args.command}: error:{where} {exc.strerror or exc}", file=sys.stderr)
         return 2
+
+
+def _one_line_warnings(command: str, show: Callable[..., None]) -> Callable[..., None]:
+    """``warnings.showwarning`` that prints a :class:`ControllerWarning` as one line on stderr
+    (other warnings go to ``show``, Python's own format)."""
+
+    def show_warning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if issubclass(category, ControllerWarning):
+            print(f"controller {command}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return show_warning
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Typed errors that library code raises and the CLI turns into one line on stderr, exit 2."""
+"""Typed errors that library code raises and the CLI turns into one line on stderr, exit 2;
+and the warnings it shows as one line each (the work went on, with less than was asked)."""
 
 from __future__ import annotations
 
@@ -19,5 +20,10 @@ class TraceError(ControllerError):
     """A trace folder or file that cannot be read."""
 
 
-class FitError(ControllerError):
-    """Input to fitting that cannot be used; the message names the file and the problem."""
+class ControllerWarning(UserWarning):
+    """Base of every warning a user should see: the work went on, but not with all of its input."""
+
+
+class TraceWarning(ControllerWarning):
+    """A trace file that ends in a torn record (a crash while writing): the records before it
+    were read, the tear skipped."""

@@ -98,7 +98,9 @@ class Featurizer:
     """Turns one instance's ``step`` records into observations (see module docstring).
 
     All state lives in one float64 array (step counts are exact there below 2**53) that the
-    kernel :func:`_fold` updates in place; the methods below only read it.
+    kernel :func:`_fold` updates in place. The methods below read it through the kernels that
+    compute the observation's estimates (:func:`_acceptance`, :func:`_lat_ratio`): an estimate
+    here is the one in the observation, before its rounding to float32.
 
     Args:
         depths: the allowed draft depths, strictly increasing (0 = no speculation).
@@ -175,21 +177,19 @@ class Featurizer:
         lat = self._off[2] + bs_bucket(bs) * self._n
         return self._state[lat : lat + self._n]
 
+    def _estimates(self) -> tuple[np.ndarray, np.ndarray]:
+        k = self.max_depth
+        p, cum = np.empty(k, dtype=np.float64), np.empty(k + 1, dtype=np.float64)
+        _acceptance(self._state, k, self._state[_T], p, cum)
+        return p, cum
+
     def accept_prob(self, position: int) -> float:
-        """Recent conditional acceptance of draft position ``position`` (1-based)."""
-        st = self._state
-        age = st[_T] - st[_LAST_SPEC]
-        w = STALE_DECAY ** float(age) if age > 0 else 1.0
-        acc, tried = float(self._acc[position]), float(self._tried[position])
-        return (w * acc + PRIOR_ACCEPT * PRIOR_WEIGHT) / (w * tried + PRIOR_WEIGHT)
+        """Recent conditional acceptance of draft position ``position`` (1-based, ≤ max depth)."""
+        return float(self._estimates()[0][position - 1])
 
     def expected_tokens(self, depth: int) -> float:
         """Expected tokens one request emits in a step at ``depth``: 1 + Σ_i Π_{j≤i} p_j."""
-        total, run = 1.0, 1.0
-        for i in range(1, depth + 1):
-            run *= self.accept_prob(i)
-            total += run
-        return total
+        return float(self._estimates()[1][depth])
 
     def latency_us(self, depth: int, bs: int) -> float:
         """Recent step time at ``depth`` in the batch-size bucket of ``bs``; 0.0 if never seen."""
@@ -201,12 +201,9 @@ class Featurizer:
         From the batch-size bucket of ``bs`` when both were observed there; else the running
         ratio measured in any bucket where both were known; None if never measured.
         """
-        i = self._depth_index[depth]
-        row = self._lat_row(bs)
-        if row[i] > 0.0 and row[0] > 0.0:
-            return float(row[i] / row[0])
-        r = float(self._state[self._off[3] + i])
-        return r if r > 0.0 else None
+        o_row = self._off[2] + bs_bucket(bs) * self._n
+        r = _lat_ratio(self._state, o_row, self._off[3], self._depth_index[depth])
+        return float(r) if r > 0.0 else None
 
     # ------------------------------------------------------------------ update
 
@@ -280,6 +277,40 @@ def warm_up(kernel: Callable[..., Any] | None = None, depths: Sequence[int] = (0
     # numba compiles for the argument types, which every record shares.
     step = Step("warm-up", 1, 0, 1, 0, [], 1000, 100, 0.5, 0, 0)
     Featurizer(depths).update_with(step, _fold if kernel is None else kernel)
+
+
+@maybe_njit
+def _acceptance(st: np.ndarray, k: int, t: float, p: np.ndarray, cum: np.ndarray) -> None:
+    """The acceptance estimates at step ``t``: ``p[i - 1]`` the recent conditional acceptance of
+    draft position i (1..k), ``cum[d]`` the expected tokens per request at depth d (0..k),
+    1 + Σ_{i≤d} Π_{j≤i} p_j. The evidence ages toward the prior while nothing is drafted.
+
+    ``p`` may be the observation's float32 slice: the running product keeps float64.
+    """
+    o_acc = _HEAD
+    o_tried = o_acc + k + 1
+    pw = PRIOR_ACCEPT * PRIOR_WEIGHT
+    age = t - st[_LAST_SPEC]
+    s = STALE_DECAY**age if age > 0 else 1.0
+    cum[0] = 1.0
+    run = 1.0
+    for i in range(1, k + 1):
+        if age > 0:
+            pi = (s * st[o_acc + i] + pw) / (s * st[o_tried + i] + PRIOR_WEIGHT)
+        else:
+            pi = (st[o_acc + i] + pw) / (st[o_tried + i] + PRIOR_WEIGHT)
+        p[i - 1] = pi
+        run *= pi
+        cum[i] = cum[i - 1] + run
+
+
+@maybe_njit
+def _lat_ratio(st: np.ndarray, o_row: int, o_ratio: int, i: int) -> float:
+    """Step time at the ``i``-th allowed depth / at the smallest, from the latency row at
+    ``o_row`` when both are known there, else the running ratio; 0.0 if never measured."""
+    li = st[o_row + i]
+    lat0 = st[o_row]
+    return li / lat0 if li > 0.0 and lat0 > 0.0 else st[o_ratio + i]
 
 
 @maybe_njit
@@ -392,20 +423,8 @@ def _fold(
 
     # Acceptance per position (evidence ages while nothing is drafted), expected tokens.
     o = 10 + n
-    pw = PRIOR_ACCEPT * PRIOR_WEIGHT
-    age = t - st[_LAST_SPEC]
-    s = STALE_DECAY**age if age > 0 else 1.0
     cum = np.empty(k + 1, dtype=np.float64)
-    cum[0] = 1.0
-    run = 1.0
-    for i in range(1, k + 1):
-        if age > 0:
-            p = (s * st[o_acc + i] + pw) / (s * st[o_tried + i] + PRIOR_WEIGHT)
-        else:
-            p = (st[o_acc + i] + pw) / (st[o_tried + i] + PRIOR_WEIGHT)
-        out[o + i - 1] = p
-        run *= p
-        cum[i] = cum[i - 1] + run
+    _acceptance(st, k, t, out[o : o + k], cum)
     o += k
     for i in range(n):
         out[o + i] = cum[depths[i]] / (depths[i] + 1)
@@ -413,10 +432,8 @@ def _fold(
 
     # Latency ratio per depth: current bucket if both known, else the running ratio.
     base_tok = cum[depths[0]]
-    lat0 = st[o_row]
     for i in range(n):
-        li = st[o_row + i]
-        r = li / lat0 if li > 0.0 and lat0 > 0.0 else st[o_ratio + i]
+        r = _lat_ratio(st, o_row, o_ratio, i)
         if r > 0.0:
             out[o + i] = _clip2(math.log(r))
             out[o + 2 * n + i] = _clip2(math.log(cum[depths[i]] / base_tok / r))

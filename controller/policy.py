@@ -4,20 +4,35 @@ A policy sees what the Featurizer produced and the step record it came from — 
 and answers an *action*: an index into the allowed depths. Policies with per-instance state
 (EMA rules, bandits) are made per instance by a :class:`PolicyFactory`.
 
-Specs (``controller serve --policy SPEC``):
-- a path to an SB3 PPO zip (see ``controller.ppo_policy``);
-- ``builtin:NAME`` from the registry, e.g. ``builtin:static:3``. Baselines in
-  ``agents.baselines`` register themselves here; importing that module needs only numpy.
+Optional capabilities are declared here, each as a runtime-checkable protocol; callers test
+for them with ``isinstance`` and never guess by attribute name:
+
+=========================  =======================================================================
+capability                 who has it, who uses it
+=========================  =======================================================================
+:class:`FusedPolicy`       ``fused``: a compiled kernel that featurizes and acts in one call
+                           (:class:`controller.ppo_policy.PPOPolicy`); the service then calls
+                           ``featurizer.update_with(step, policy.fused)`` instead of
+                           ``act(featurizer.update(step), step)``; both give the same state and
+                           action. ``None`` when it has none (no numba, stacked frames).
+:class:`ServingFactory`    ``prepare_serving()``: costly set-up (compiling that kernel) a factory
+                           does once, before the service binds (:class:`~controller.ppo_policy.PPOFactory`)
+:class:`EngineBound`       ``bind_engine(engine)``: a policy that reads the simulator's engine (the
+                           clairvoyant oracle, ``agents.oracle``); the simulation loop binds it
+                           before the first step. Such a policy cannot be served.
+=========================  =======================================================================
+
+Which policies exist (``builtin:NAME``, PPO zips) is :mod:`controller.registry`'s business; the
+builtin ones are in :mod:`controller.baselines`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from controller.errors import PolicyLoadError
 from controller.protocol import Step
 
 
@@ -34,11 +49,6 @@ class Policy(Protocol):
         """Return an index into the allowed depths, given the Featurizer's observation of
         ``step`` and the record itself."""
 
-    # A policy may also carry ``fused``: a compiled kernel that featurizes and acts in one call
-    # (:attr:`controller.ppo_policy.PPOPolicy.fused`). The service then calls
-    # ``featurizer.update_with(step, policy.fused)`` instead of ``act(featurizer.update(step))``;
-    # both must give the same state and action.
-
 
 class PolicyFactory(Protocol):
     """Builds one :class:`Policy` per instance for a given tuple of allowed depths."""
@@ -48,84 +58,22 @@ class PolicyFactory(Protocol):
     def __call__(self, depths: tuple[int, ...]) -> Policy: ...
 
 
-class StaticPolicy:
-    """Always the same depth: ``static:K``. Depth 0 means no speculation."""
+@runtime_checkable
+class FusedPolicy(Protocol):
+    """A policy that can also featurize and act in one compiled call (see the module docstring)."""
 
-    def __init__(self, depth: int, depths: tuple[int, ...]) -> None:
-        if depth not in depths:
-            raise PolicyLoadError(
-                f"static:{depth}: depth {depth} is not one of the allowed depths {list(depths)}"
-            )
-        self.name = f"static:{depth}"
-        self._action = depths.index(depth)
-
-    def reset(self) -> None:
-        pass
-
-    def act(self, obs: np.ndarray, step: Step) -> int:
-        return self._action
+    fused: Callable[..., int] | None
 
 
-class _Builtin:
-    def __init__(self, name: str, make: Callable[[str, tuple[int, ...]], Policy]) -> None:
-        self.name = name
-        self._make = make
+@runtime_checkable
+class ServingFactory(Protocol):
+    """A factory with set-up to do once before serving (see the module docstring)."""
 
-    def __call__(self, depths: tuple[int, ...]) -> Policy:
-        return self._make(self.name, depths)
+    def prepare_serving(self) -> None: ...
 
 
-# name prefix -> maker(full_name, depths). A prefix ending in ":" takes an argument.
-_REGISTRY: dict[str, Callable[[str, tuple[int, ...]], Policy]] = {}
+@runtime_checkable
+class EngineBound(Protocol):
+    """A policy that reads the simulator's engine (see the module docstring)."""
 
-
-def register_builtin(prefix: str, make: Callable[[str, tuple[int, ...]], Policy]) -> None:
-    """Register a builtin policy maker under ``prefix`` (``"vllm-dsd"`` or ``"static:"``)."""
-    _REGISTRY[prefix] = make
-
-
-def _make_static(name: str, depths: tuple[int, ...]) -> Policy:
-    arg = name.split(":", 1)[1]
-    try:
-        depth = int(arg)
-    except ValueError:
-        raise PolicyLoadError(f"builtin:{name}: the depth must be an integer") from None
-    return StaticPolicy(depth, depths)
-
-
-register_builtin("static:", _make_static)
-
-
-def _load_builtins() -> None:
-    # Baselines live in agents/ and register themselves; imported lazily so that the hook's
-    # environment never needs them.
-    try:
-        import agents.baselines  # noqa: F401
-    except ImportError:
-        pass
-
-
-def builtin_names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def make_factory(spec: str, depths: Sequence[int] | None = None) -> PolicyFactory:
-    """Resolve a policy spec into a factory; raises :class:`PolicyLoadError` with a reason.
-
-    ``depths``, when given, is checked against what the policy supports (a PPO zip fixes its
-    depths; builtins adapt to any).
-    """
-    if spec.startswith("builtin:"):
-        name = spec[len("builtin:") :]
-        _load_builtins()
-        for prefix, make in _REGISTRY.items():
-            if name == prefix or (prefix.endswith(":") and name.startswith(prefix)):
-                factory = _Builtin(name, make)
-                if depths is not None:
-                    factory(tuple(depths))  # fail now, not at the first hello
-                return factory
-        raise PolicyLoadError(f"unknown builtin policy {name!r}; known: {', '.join(builtin_names())}")
-    from controller.ppo_policy import load_ppo_factory
-
-    return load_ppo_factory(spec, depths)
+    def bind_engine(self, engine: Any) -> None: ...

@@ -2,7 +2,7 @@
 
 Why not ``PPO.load(...).predict``: ``load`` unpickles the zip's ``data`` (arbitrary code from a
 file), and ``predict`` costs ≈200 µs per call here against ≈5 µs for the same small matrix products in
-numpy, ≈2.5 µs compiled with numba (:meth:`MLP.act`). So the loader reads only
+numpy, ≈2.5 µs compiled with numba (:meth:`MLP.act`, :func:`mlp_logits`). So the loader reads only
 
 - ``specdepth.json`` — our own metadata, written next to SB3's files by
   :func:`write_metadata` (``controller train`` does it): the allowed depths, the Featurizer
@@ -24,7 +24,7 @@ import io
 import json
 import logging
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -178,7 +178,7 @@ def _space_sizes(data: dict[str, Any]) -> tuple[int | None, int | None]:
 
 
 class MLP:
-    """The policy head of an SB3 ``ActorCriticPolicy`` (MlpPolicy), evaluated in numpy or numba.
+    """The policy head of an SB3 ``ActorCriticPolicy`` (MlpPolicy), evaluated by :func:`mlp_logits`.
 
     Args:
         weights: ``(W, b)`` per hidden layer, then the action head, as float32 arrays with
@@ -187,97 +187,67 @@ class MLP:
     """
 
     def __init__(self, weights: list[tuple[np.ndarray, np.ndarray]], activation: str) -> None:
-        # Transposed and contiguous once, so logits() is x @ W + b with no copies.
-        self._layers = [
-            (np.ascontiguousarray(w.T, dtype=np.float32), b.astype(np.float32)) for w, b in weights
-        ]
+        # Every layer as (out, in + 1) float32, its bias the last column: the form mlp_logits reads.
+        self._layers = tuple(
+            np.ascontiguousarray(np.hstack([w, b[:, None]]), dtype=np.float32) for w, b in weights
+        )
         self._relu = activation == "relu"
-        # act(): every layer after the first takes its bias as one more weight row, fed by a
-        # constant 1 kept at the end of the previous layer's output buffer, so the bias rides
-        # the matmul instead of costing a separate add (~0.5 µs a layer). One buffer per
-        # layer: act() on the serving hot path allocates nothing.
-        w1, b1 = self._layers[0]
-        self._first = (w1, b1)
-        bufs = [np.ones(w.shape[1] + 1, dtype=np.float32) for w, _ in self._layers[:-1]]  # [-1] stays 1
-        outs = [buf[:-1] for buf in bufs] + [np.empty(self._layers[-1][0].shape[1], dtype=np.float32)]
-        self._first_out = outs[0]
-        # (W with its bias row, input buffer ending in 1, output view) for every later layer.
-        self._plan = [
-            (np.ascontiguousarray(np.vstack([w, b[None, :]]), dtype=np.float32), buf, out)
-            for (w, b), buf, out in zip(self._layers[1:], bufs, outs[1:], strict=True)
-        ]
-        # With numba: every layer as (out, in + 1), its bias the last column, for _mlp_argmax
-        # (one compiled call instead of ~6 numpy calls of ~1 µs each).
-        self._compiled: tuple[np.ndarray, ...] | None = None
-        if JIT_ENABLED:
-            compiled = tuple(
-                np.ascontiguousarray(np.hstack([w, b[:, None]]), dtype=np.float32) for w, b in weights
-            )
+        # Compiled (numba) unless numba is off or cannot build it; then the same source runs as
+        # plain Python (the same arithmetic, far slower: ~2 ms a decision for a 2x64 net).
+        self._compiled = JIT_ENABLED
+        if self._compiled:
             try:  # compile now (or load numba's cache), not on the first decision
-                _mlp_argmax(np.zeros(self._layers[0][0].shape[0], np.float32), compiled, self._relu)
-            except Exception as exc:  # a numba that cannot build it: the numpy path picks the same actions
+                _mlp_argmax(np.zeros(self._layers[0].shape[1] - 1, np.float32), self._layers, self._relu)
+            except Exception as exc:
                 log.warning(
-                    "cannot compile the policy MLP (%s: %s); serving it with numpy", type(exc).__name__, exc
+                    "cannot compile the policy MLP (%s: %s); serving it uncompiled", type(exc).__name__, exc
                 )
-            else:
-                self._compiled = compiled
+                self._compiled = False
 
     def argmax_kernel(self) -> Callable[[np.ndarray], int] | None:
         """A compiled ``obs -> action`` with this MLP's weights built in as constants, for
         :func:`controller.features.fuse`; None without numba. Compiles in this process
         (~0.4 s together with the fused kernel), so call it once per loaded policy."""
-        layers, relu = self._compiled, self._relu
-        if layers is None:
+        if not self._compiled:
             return None
+        layers, relu = self._layers, self._relu
 
         def argmax(x: np.ndarray) -> int:
-            return _mlp_argmax(x, layers, relu)  # type: ignore[no-any-return]
+            return _mlp_argmax(x, layers, relu)
 
         return njit_uncached(argmax)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        """Action logits for one observation (1-D) or a batch (2-D)."""
-        h = np.asarray(x, dtype=np.float32)
-        last = len(self._layers) - 1
-        for i, (w, b) in enumerate(self._layers):
-            h = h @ w + b
-            if i < last:
-                h = np.maximum(h, 0.0) if self._relu else np.tanh(h)
-        return h
+        """Action logits for one observation (1-D) or a batch (2-D, one row each)."""
+        x = np.asarray(x, dtype=np.float32)
+        forward = mlp_logits if self._compiled else _plain(mlp_logits)
+        rows = [np.ascontiguousarray(row) for row in np.atleast_2d(x)]
+        out = np.stack([forward(row, self._layers, self._relu) for row in rows])
+        return out[0] if x.ndim == 1 else out
 
     def act(self, x: np.ndarray) -> int:
-        """The deterministic action for one observation: argmax of the logits.
+        """The deterministic action for one observation: argmax of :func:`mlp_logits`.
 
-        This runs once per decode step of every instance. With numba (the ``serve`` extra), one
-        compiled call, :func:`_mlp_argmax`: 2.4 µs at p50 on the development box, where the
-        numpy calls below take 5.4. Without numba, the arithmetic of :meth:`logits` (float32
-        matmul, bias, activation) written into preallocated buffers, the biases after the
-        first layer folded into the matmul; ``np.dot`` rather than ``np.matmul``: for one
-        vector it skips the ufunc machinery (≈0.5 µs a layer here) and calls the same BLAS
-        kernel. Both pick SB3's ``predict`` action (tests/test_ppo_policy.py).
+        This runs once per decode step of every instance: one compiled call, 2.4 µs at p50 on
+        the development box. It picks SB3's ``predict`` action (tests/test_ppo_policy.py).
         """
-        h = x if x.dtype == np.float32 else np.asarray(x, dtype=np.float32)
-        if self._compiled is not None and h.flags.c_contiguous:
-            return _mlp_argmax(h, self._compiled, self._relu)  # type: ignore[no-any-return]
-        dot, hidden = np.dot, np.maximum if self._relu else None
-        w, b = self._first
-        v = self._first_out
-        dot(h, w, out=v)
-        np.add(v, b, out=v)
-        for w_b, buf, out in self._plan:
-            if hidden is None:
-                np.tanh(v, out=v)
-            else:
-                hidden(v, 0.0, out=v)
-            dot(buf, w_b, out=out)
-            v = out
-        return int(v.argmax())
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        if self._compiled:
+            return _mlp_argmax(x, self._layers, self._relu)
+        return int(np.argmax(_plain(mlp_logits)(x, self._layers, self._relu)))
+
+
+def _plain(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """The plain-Python source of a compiled kernel (the kernel itself when numba is off)."""
+    return getattr(kernel, "py_func", kernel)
 
 
 # tanh on float32 as a rational function, Eigen's ``generic_fast_tanh_float`` (its minimax
 # coefficients): arithmetic only, so the activation loop runs in SIMD lanes, where a call to
 # the C library's tanh per unit cost more than the layer's dot products. Largest error against
-# float64 tanh over [-10, 10]: 2.7e-7 (tests/test_ppo_policy.py holds it under 5e-7).
+# float64 tanh over [-10, 10]: 2.7e-7 (tests/test_ppo_policy.py holds it under 5e-7). It is the
+# one tanh of the served MLP, compiled or not.
 _TANH_P = (
     -2.76076847742355e-16,
     2.00018790482477e-13,
@@ -305,10 +275,13 @@ def tanh32(v: Any) -> Any:
 
 
 @maybe_njit_reassoc
-def _mlp_argmax(x: np.ndarray, layers: tuple[np.ndarray, ...], relu: bool) -> int:
-    """:meth:`MLP.act` compiled: ``layers`` hold (out, in + 1) float32 weights, bias last.
+def mlp_logits(x: np.ndarray, layers: tuple[np.ndarray, ...], relu: bool) -> np.ndarray:
+    """The policy MLP's forward pass, written once: float32 logits of one observation.
 
-    Each layer in two passes, the dot products then the activation, so both run in SIMD lanes.
+    ``layers`` hold (out, in + 1) float32 weights, bias last (:class:`MLP`); hidden layers use
+    relu or :func:`tanh32`. Each layer in two passes, the dot products then the activation, so
+    both run in SIMD lanes when compiled (dot products summed in any order: last-bit
+    differences from a strict sum, as BLAS has too).
     """
     h = x
     last = len(layers) - 1
@@ -329,10 +302,22 @@ def _mlp_argmax(x: np.ndarray, layers: tuple[np.ndarray, ...], relu: bool) -> in
                 for j in range(n_out):
                     out[j] = tanh32(out[j])
         h = out
-    return int(np.argmax(h))
+    return h
 
 
-def _load_weights(sd: dict[str, Any], meta: PPOMeta, path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+@maybe_njit_reassoc
+def _mlp_argmax(x: np.ndarray, layers: tuple[np.ndarray, ...], relu: bool) -> int:
+    """:meth:`MLP.act` compiled: the argmax of :func:`mlp_logits`."""
+    return int(np.argmax(mlp_logits(x, layers, relu)))
+
+
+def policy_net_layers(sd: Mapping[str, Any]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The actor of an SB3 MlpPolicy state dict, in order: ``(W, b)`` of each
+    ``mlp_extractor.policy_net.<i>`` Linear, then of ``action_net``, as float32 numpy arrays.
+
+    Raises:
+        KeyError: a layer's ``weight`` or ``bias`` is missing (its name is the key).
+    """
     hidden = sorted(
         int(k.split(".")[2])
         for k in sd
@@ -343,8 +328,18 @@ def _load_weights(sd: dict[str, Any], meta: PPOMeta, path: Path) -> list[tuple[n
     for name in names:
         w, b = sd.get(f"{name}.weight"), sd.get(f"{name}.bias")
         if w is None or b is None:
-            raise PolicyLoadError(f"{path}: policy.pth has no {name}.weight/bias (not an SB3 MlpPolicy?)")
+            raise KeyError(name)
         layers.append((w.detach().cpu().float().numpy(), b.detach().cpu().float().numpy()))
+    return layers
+
+
+def _load_weights(sd: dict[str, Any], meta: PPOMeta, path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    try:
+        layers = policy_net_layers(sd)
+    except KeyError as exc:
+        raise PolicyLoadError(
+            f"{path}: policy.pth has no {exc.args[0]}.weight/bias (not an SB3 MlpPolicy?)"
+        ) from None
     widths = tuple(w.shape[0] for w, _ in layers[:-1])
     if widths != meta.net_arch:
         raise PolicyLoadError(
@@ -547,6 +542,8 @@ __all__ = [
     "check_compatible",
     "load_ppo_factory",
     "meta_for",
+    "mlp_logits",
+    "policy_net_layers",
     "read_ppo_zip",
     "write_metadata",
 ]

@@ -1,8 +1,19 @@
 """Wire protocol, version 1: the one schema spoken by the hook, the controller and the simulator.
 
-Transport (see DESIGN.md): ZeroMQ, one ROUTER bound by the controller, one DEALER per hook
-process. Every message is one frame holding one msgpack map with ``t`` (type) and ``v``
-(protocol major version). Frames over :data:`MAX_FRAME_BYTES` are refused.
+This module is the protocol's normative description. Transport: ZeroMQ, one ROUTER bound by
+the controller (default :data:`DEFAULT_ENDPOINT`), one DEALER per hook process that talks (the
+entry rank of each SGLang replica). Every message is one frame holding one msgpack map with
+``t`` (type) and ``v`` (protocol major version); unknown keys are ignored. Frames over
+:data:`MAX_FRAME_BYTES` are refused. hook → controller: ``hello`` (:class:`Hello`), then one
+``step`` (:class:`Step`) per decode step. controller → hook: ``welcome`` (:class:`Welcome`)
+answers a ``hello``, one ``decision`` (:class:`Decision`) answers each ``step``, and ``error``
+(:class:`Error`) answers any frame it refuses.
+
+Decision semantics: the hook never waits for the controller. At each decode launch it uses
+the newest valid decision received (latest wins); with overlap scheduling that decision was
+made from telemetry one or two steps old. A depth not in the ``hello``'s ``depths`` is ignored.
+With no decision for ``stale_ms`` the hook falls back to SGLang's own adaptive policy (or a
+fixed depth, if configured) until decisions flow again.
 
 This module is imported inside SGLang's scheduler process, so it imports only the standard
 library and msgpack. It never unpickles: msgpack maps become plain Python values, then typed
@@ -41,6 +52,9 @@ import msgpack
 PROTOCOL_VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 64 * 1024
 DEFAULT_ENDPOINT: Final = "ipc:///tmp/spec-controller.sock"
+# The allowed draft depths a hook announces unless told otherwise (``--spec-depths``), and the
+# depths the simulator, training and evaluation use by default (the bundled policies' depths).
+DEFAULT_DEPTHS: Final[tuple[int, ...]] = (0, 1, 2, 3, 5)
 
 MAX_INSTANCE_CHARS: Final = 128
 MAX_TEXT_CHARS: Final = 1024
@@ -215,6 +229,29 @@ def encode(msg: Message) -> bytes:
 def pack(wire: dict[str, Any]) -> bytes:
     """Encode a wire map (already holding ``t`` and ``v``)."""
     return msgpack.packb(wire, use_bin_type=True)
+
+
+def decision_encoder(instance: str) -> Callable[[int, int], bytes]:
+    """``encode_decision(seq, depth)`` for one instance: the bytes of
+    ``encode(Decision(instance, seq, depth))``, built without a map (the controller's hot path).
+
+    A decision is a map of five entries in a fixed order, of which all but ``seq`` and ``depth``
+    are the same for every decision of an instance: they are packed once, here. ``depth`` must
+    be in 0..:data:`MAX_DEPTH` (a depth the instance allows). Not thread-safe: one encoder per
+    instance, used by one thread.
+    """
+    pack_value = msgpack.Packer(use_bin_type=True).pack  # reused: packb builds one per call
+    three = pack_value({"t": "decision", "v": PROTOCOL_VERSION, "instance": instance})
+    # `three` starts with the fixmap header of its 3 entries (0x83); the frame has 5 (0x85).
+    head = bytes((three[0] + 2,)) + three[1:] + pack_value("seq")
+    tails = tuple(pack_value("depth") + pack_value(d) for d in range(MAX_DEPTH + 1))
+
+    def encode_decision(
+        seq: int, depth: int, _head: bytes = head, _tails: tuple[bytes, ...] = tails
+    ) -> bytes:
+        return _head + pack_value(seq) + _tails[depth]
+
+    return encode_decision
 
 
 def unpack(frame: bytes) -> dict[str, Any]:
@@ -459,7 +496,7 @@ def _int(wire: dict[str, Any], key: str, lo: int, hi: int) -> int:
 
 
 def _text(wire: dict[str, Any], key: str, max_chars: int, *, required: bool = True) -> str:
-    # DESIGN.md lists every field of hello/welcome as required; only an error's msg is optional.
+    # Every field of hello and welcome is required; only an error's msg is optional.
     value = wire.get(key) if required else wire.get(key, "")
     if type(value) is not str or len(value) > max_chars:
         raise ProtocolError("bad_field", f"{key} must be a string of at most {max_chars} chars")
@@ -474,6 +511,7 @@ def _instance(wire: dict[str, Any]) -> str:
 
 
 __all__ = [
+    "DEFAULT_DEPTHS",
     "DEFAULT_ENDPOINT",
     "ERROR_CODES",
     "MAX_FRAME_BYTES",
@@ -486,6 +524,7 @@ __all__ = [
     "Step",
     "Welcome",
     "check_step",
+    "decision_encoder",
     "decode",
     "encode",
     "from_wire",

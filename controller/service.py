@@ -51,26 +51,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import msgpack
 import zmq
 
+from controller.baselines import StaticPolicy
+from controller.cpus import usable_cpus
 from controller.errors import ConfigError, ControllerError, PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.features import warm_up as warm_up_featurizer
 from controller.metrics import LATENCY_BUCKETS_NS, ServiceStats
-from controller.policy import Policy, PolicyFactory, StaticPolicy, make_factory
-from controller.polling import Cadence, SpinPlanner, usable_cpus
+from controller.policy import FusedPolicy, Policy, PolicyFactory, ServingFactory
+from controller.polling import Cadence, SpinPlanner
 from controller.protocol import (
     DEFAULT_ENDPOINT,
     MAX_DEPTH,
     PROTOCOL_VERSION,
     TO_HOOK,
+    Error,
     ProtocolError,
+    Welcome,
     check_step,
+    decision_encoder,
+    encode,
     parse_hello,
     read_step,
     unpack,
 )
+from controller.registry import make_factory
 from controller.traces import TraceWriter, add_rx
 
 log = logging.getLogger("controller.service")
@@ -85,9 +91,6 @@ _SEND_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 # pyzmq's own send, without the Python layer of zmq.Socket.send (routing_id/group/list
 # handling this server never uses): ≈0.5 µs less per call, two calls per decision.
 _zsend = zmq.backend.Socket.send
-_pack = msgpack.Packer(use_bin_type=True).pack  # one Packer: packb builds a new one per call
-# The tail of every decision frame, per depth: {"depth": d} after the per-session head.
-_DEPTH_TAIL = tuple(_pack("depth") + _pack(d) for d in range(MAX_DEPTH + 1))
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ class _Session:
         "writer",
         "active",
         "ident",
-        "decision_head",
+        "encode_decision",
         "cadence",
         "last_frame",
         "scratch",
@@ -236,16 +239,12 @@ class _Session:
         self.featurizer = Featurizer(depths)
         self.policy = policy
         # The policy's fused Featurizer + policy kernel, if it has one (PPOPolicy.fused).
-        self.fused: Callable[..., int] | None = getattr(policy, "fused", None)
+        self.fused: Callable[..., int] | None = policy.fused if isinstance(policy, FusedPolicy) else None
         self.last_seq: int | None = None
         self.writer = writer
         self.active = 0
         self.ident = b""  # ZeroMQ routing id of the socket that said hello
-        # A decision is {"t": "decision", "v": 1, "instance": ..., "seq": s, "depth": d}; all but
-        # s and d are fixed per instance, so they are packed once (the same bytes as packing the
-        # whole map: a fixmap of 5 entries in this key order).
-        head = _pack({"t": "decision", "v": PROTOCOL_VERSION, "instance": instance})
-        self.decision_head = b"\x85" + head[1:] + _pack("seq")
+        self.encode_decision = decision_encoder(instance)  # (seq, depth) -> the decision frame
         self.cadence = Cadence(self)  # when its steps come, for hybrid polling
         self.last_frame = b""  # its last step record, to warm the path before the next one
         self.scratch: Featurizer | None = None  # a Featurizer for warming, never for decisions
@@ -277,9 +276,8 @@ class Server:
         if not 0 < config.spin_budget <= 1:
             raise ConfigError(f"spin budget {config.spin_budget}: must be in (0, 1]")
         self.factory = factory if factory is not None else load_policy(config.policy)
-        prepare = getattr(self.factory, "prepare_serving", None)
-        if prepare is not None:  # e.g. compile a PPO zip's fused kernel now, not at the first step
-            prepare()
+        if isinstance(self.factory, ServingFactory):
+            self.factory.prepare_serving()  # e.g. compile a PPO zip's fused kernel now, not at the first step
         # Before binding: a hook that connects must get its first decision at full speed, not
         # after numba compiled (or loaded) the Featurizer on that first step.
         warm_up_featurizer()
@@ -424,7 +422,7 @@ class Server:
                 session.scratch.update_with(step, session.fused, accept_u8)
             else:
                 session.scratch.update(step, accept_u8)
-            _pack(step.seq)
+            session.encode_decision(step.seq, session.depths[0])
         except Exception:  # warming is an optimisation: never let it cost a decision
             session.last_frame = b""
 
@@ -509,7 +507,7 @@ class Server:
                 f"policy {self.factory.name} answered action {action} for {len(depths)} depths"
             )
         depth = depths[action]
-        payload = session.decision_head + _pack(seq) + _DEPTH_TAIL[depth]
+        payload = session.encode_decision(seq, depth)
         sock = self._sock
         try:
             # ROUTER without ROUTER_MANDATORY drops what it cannot route instead of blocking or
@@ -576,7 +574,7 @@ class Server:
             session.depths = hello.depths
             session.featurizer = Featurizer(hello.depths)
             session.policy = policy
-            session.fused = getattr(policy, "fused", None)
+            session.fused = policy.fused if isinstance(policy, FusedPolicy) else None
             session.last_seq = None
             # The last record and the scratch Featurizer were for the old depths: warming must
             # not run the new kernel on them.
@@ -586,17 +584,7 @@ class Server:
         session.ident = ident
         self._tick += 1
         session.active = self._tick
-        self._send(
-            ident,
-            _pack(
-                {
-                    "t": "welcome",
-                    "v": PROTOCOL_VERSION,
-                    "policy": self.factory.name,
-                    "features": FEATURIZER_VERSION,
-                }
-            ),
-        )
+        self._send(ident, encode(Welcome(self.factory.name, FEATURIZER_VERSION)))
         self.stats.hellos += 1
         self.stats.instances = len(self._sessions)
         if session.writer is not None:
@@ -620,7 +608,7 @@ class Server:
     def _reply_error(self, ident: bytes, code: str, msg: str) -> None:
         self.stats.count_error(code)
         log.debug("error %s: %s", code, msg)
-        self._send(ident, _pack({"t": "error", "v": PROTOCOL_VERSION, "code": code, "msg": msg[:1024]}))
+        self._send(ident, encode(Error(code, msg[:1024])))
 
     # ------------------------------------------------------------------ sessions and files
 
@@ -775,8 +763,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--policy",
         required=True,
         metavar="SPEC",
-        help="a PPO zip written by `controller train`, or builtin:NAME (e.g. builtin:static:3 = always depth 3; "
-        "the baselines of agents/ register more builtins)",
+        help="a PPO zip written by `controller train`, or builtin:NAME: builtin:static:3 (always depth 3; any "
+        "static:K), vllm-dsd, trtllm-schedule, sglang-adaptive, goodput, bandit",
     )
     p.add_argument(
         "--bind",

@@ -12,10 +12,16 @@ hands them to the OS with one unbuffered ``os.write`` (no fsync: a ``kill -9`` o
 loses nothing the OS has; a power loss may). With the default ``flush_bytes=0`` every
 :meth:`TraceWriter.write` flushes at once. The service batches: it flushes whenever its socket
 is drained and at least every ``flush_bytes``, so a ``kill -9`` loses at most the burst being
-handled. A torn last record is skipped by :func:`iter_records`; it never hides the ones before.
+handled.
 
 Readers also take gzip-compressed files (``<instance>-<start>.msgpack.gz``, e.g. after
 ``gzip runs/*.msgpack``): traces compress 7× and the bundled examples are kept that way.
+
+A torn tail never hides the records before it, plain or gzipped: a file that ends inside a
+record, or a gzip stream cut short, yields every complete record before the tear and warns
+(:class:`~controller.errors.TraceWarning`, one per file). Bytes that are not a trace (corrupt
+msgpack before the end, a gzip stream that does not decompress, a tail longer than any record)
+raise :class:`~controller.errors.TraceError` naming the file and the byte offset.
 
 Table (:func:`load_traces`), one row per record, in file order:
 
@@ -39,12 +45,12 @@ int64, reads as null (recorded frames are verbatim, and unknown keys are allowed
 from __future__ import annotations
 
 import argparse
-import gzip
 import io
 import math
 import os
 import re
 import time
+import warnings
 import zlib
 from collections.abc import Iterator
 from dataclasses import fields
@@ -53,7 +59,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgpack
 
-from controller.errors import TraceError
+from controller.errors import TraceError, TraceWarning
 from controller.protocol import MAX_FRAME_BYTES, Decision, Hello, ProtocolError, Step, parse_step
 
 if TYPE_CHECKING:  # pandas is only needed by readers, never by the service's hot path
@@ -217,22 +223,24 @@ class TraceWriter:
 def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Yield the records (maps) of one trace file in order.
 
-    A torn last record (a partial write at a crash) is skipped. Anything else that is not a
-    sequence of msgpack maps with string keys and a string ``t`` raises :class:`TraceError`
-    naming the file and the byte offset.
+    A torn tail (the file, or its gzip stream, ends inside a record: a crash while writing) is
+    skipped with a :class:`TraceWarning`; the records before it are all yielded. Anything else
+    that is not a sequence of msgpack maps with string keys and a string ``t`` raises
+    :class:`TraceError` naming the file and the byte offset.
     """
     path = Path(path)
     f: BinaryIO
+    gzip_cut = False
     try:
         if path.name.endswith(GZ_SUFFIX):
             # Decompressed whole: the torn-tail check needs the decompressed size.
-            with gzip.open(path, "rb") as gz:
-                f = io.BytesIO(gz.read())
-            size = len(f.getbuffer())
+            data, gzip_cut = _gunzip(path.read_bytes())
+            f = io.BytesIO(data)
+            size = len(data)
         else:
             f = open(path, "rb")  # noqa: SIM115 — closed in finally; the generator may stop early
             size = os.fstat(f.fileno()).st_size
-    except (OSError, EOFError, zlib.error) as exc:  # gzip: not gzip, truncated, corrupt
+    except (OSError, zlib.error) as exc:  # gzip: not gzip, or corrupt
         raise TraceError(
             f"cannot read trace {str(path)!r}: {getattr(exc, 'strerror', None) or exc}"
         ) from None
@@ -241,6 +249,7 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             f, raw=False, strict_map_key=False, max_buffer_size=4 * MAX_RECORD_BYTES, read_size=1 << 16
         )
         offset = 0
+        n = 0
         while True:
             try:
                 record = next(unpacker)
@@ -257,14 +266,39 @@ def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             if not all(type(k) is str for k in record):
                 raise TraceError(f"{str(path)!r}: record at byte {offset} has non-string keys")
             offset = unpacker.tell()
+            n += 1
             yield record
         tail = size - offset
         if tail > MAX_RECORD_BYTES:
             raise TraceError(
                 f"{str(path)!r}: unreadable data from byte {offset} ({tail} bytes, not a torn record)"
             )
+        if tail or gzip_cut:
+            where = (
+                "its gzip stream is cut short"
+                if gzip_cut
+                else f"{tail} bytes of a record after byte {offset}"
+            )
+            warnings.warn(
+                f"{str(path)!r} ends in a torn record ({where}): read the {n} records before it",
+                TraceWarning,
+                stacklevel=2,
+            )
     finally:
         f.close()
+
+
+def _gunzip(raw: bytes) -> tuple[bytes, bool]:
+    """Every gzip member of ``raw`` decompressed, and whether the last one is cut short (what
+    it held up to the cut is kept). Raises ``zlib.error`` for bytes that are not gzip."""
+    out: list[bytes] = []
+    while raw:
+        member = zlib.decompressobj(wbits=31)  # gzip framing, checked
+        out.append(member.decompress(raw))
+        if not member.eof:
+            return b"".join(out), True
+        raw = member.unused_data.lstrip(b"\0")  # members may be padded with zeros, as gzip allows
+    return b"".join(out), False
 
 
 def trace_files(directory: str | os.PathLike[str]) -> list[Path]:

@@ -4,7 +4,9 @@ Importing this package registers the gymnasium environment ``SpecDecode-v0``
 (:class:`env.gym_env.SpecDecodeEnv`). Modules: :mod:`env.latency`, :mod:`env.acceptance`,
 :mod:`env.workload` (component models), :mod:`env.params` (SimParams), :mod:`env.engine`
 (the discrete-event engine), :mod:`env.runner` (the one simulation loop), :mod:`env.fit`
-(``fit_sim``), :mod:`env.deployments` (bundled deployments).
+(``fit_sim``), :mod:`env.deployments` (bundled deployments), :mod:`env.errors` (``FitError``),
+:mod:`env.cli` (``controller fit`` and ``bench``). Data: ``profiles/`` (the measured latency
+profile the fit starts from), ``example_traces/``.
 """
 
 from __future__ import annotations

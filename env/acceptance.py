@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from controller.errors import FitError
+from env.errors import FitError
 
 MAX_POSITIONS = 16
 

@@ -89,7 +89,7 @@ def _parse_ints(text: str, what: str) -> list[int]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from controller.policy import make_factory
+    from controller.registry import make_factory
     from env.deployments import load_deployment
     from env.params import SimParams
     from env.runner import simulate

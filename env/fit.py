@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from controller.errors import FitError, TraceError
+from controller.errors import TraceError
 from controller.protocol import Step
 from env.acceptance import AcceptanceParams, accept_length_pmf, calibrate_to_conditionals, fit_acceptance
-from env.latency import LatencyParams, fit_profile, profile_mape, read_profile, step_time_us_vec
+from env.errors import FitError
+from env.latency import LatencyParams, fit_profile, profile_mape, read_profile, step_times_us
 from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
@@ -156,7 +157,7 @@ def _step_arrays(steps: list[Step]) -> tuple[np.ndarray, ...]:
 
 
 def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
-    return step_time_us_vec(lp, bs, depth, ctx, pf)
+    return step_times_us(lp, bs, depth, ctx, pf)
 
 
 def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool = False) -> LatencyParams:

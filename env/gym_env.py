@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -14,10 +13,11 @@ from gymnasium import spaces
 from controller._jit import maybe_njit
 from controller.errors import ConfigError
 from controller.features import Featurizer
+from controller.protocol import DEFAULT_DEPTHS
 from env.deployments import resolve
 from env.engine import Engine
 from env.params import SimParams
-from env.runner import DEFAULT_DEPTHS
+from env.runner import DecodeLoop
 
 OBS_BOUND = 10.0
 # Drafter quality for ``drafter_mix`` episodes: the acceptance model's base logit ``alpha``
@@ -128,7 +128,7 @@ class SpecDecodeEnv(gym.Env):
         self.observation_space = spaces.Box(-OBS_BOUND, OBS_BOUND, (self.featurizer.obs_dim,), np.float32)
         self.action_space = spaces.Discrete(len(self.depths))
         self.engine: Engine | None = None
-        self._pending: deque[int] = deque()
+        self._loop: DecodeLoop | None = None
         self._steps = 0
 
     def _obs(self, raw: np.ndarray) -> np.ndarray:
@@ -157,26 +157,23 @@ class SpecDecodeEnv(gym.Env):
         self.engine = Engine(params, wl)
         self.engine.reset(int(rng.integers(2**63 - 1)))
         self.featurizer.reset()
-        self._pending = deque([0] * (delay - 1))
+        self._loop = DecodeLoop(self.engine, self.depths, delay, featurizer=self.featurizer)
         self._steps = 0
-        rec = self.engine.step(self.depths[0])
-        obs = self._obs(self.featurizer.update(rec))
+        rec, raw = self._loop.start()
+        obs = self._obs(raw)
         return obs, self._info(rec, self.depths[0], rec.tokens)
 
     def step(self, action):
-        eng = self.engine
-        if eng is None:
+        eng, loop = self.engine, self._loop
+        if eng is None or loop is None:
             raise ConfigError("call reset() before step()")
         a = int(action)
-        depths = self.depths
-        if not 0 <= a < len(depths):
-            raise ConfigError(f"action {a} outside 0..{len(depths) - 1}")
-        pending = self._pending
-        pending.append(a)
-        depth = depths[pending.popleft()]
-        rec = eng.step(depth)
+        if not 0 <= a < len(self.depths):
+            raise ConfigError(f"action {a} outside 0..{len(self.depths) - 1}")
+        rec, raw = loop.advance(a)
+        depth = loop.depth
         self._steps += 1
-        obs = self._obs(self.featurizer.update(rec))
+        obs = self._obs(raw)
         # The engine's step also evaluated the latency model at depth 0 for this batch.
         tokens = eng.last_tokens  # rec.tokens, already summed by the engine
         extra = tokens - rec.bs * (eng.last_model_us / eng.last_base_us)

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from controller._jit import maybe_njit
-from controller.errors import FitError
+from env.errors import FitError
 
 TARGET_LOSS = "linear"
 SIZE_WEIGHT_EXP = 0.0
@@ -119,9 +119,18 @@ class LatencyParams:
 # --------------------------------------------------------------------------- evaluation
 
 
+def _gemm(w_us: Any, f_us_per_tok: Any, p: Any, n_tokens: Any) -> Any:
+    """The GEMM term: a smooth max (sharpness ``p``) of reading the weights once and computing
+    ``n_tokens`` new tokens. Scalars or numpy arrays; :data:`_gemm_kernel` is its compiled form."""
+    return (w_us**p + (f_us_per_tok * n_tokens) ** p) ** (1.0 / p)
+
+
+_gemm_kernel = maybe_njit(_gemm)
+
+
 def gemm_us(lp: LatencyParams, n_tokens: np.ndarray | float) -> np.ndarray | float:
     """GEMM time of a pass over ``n_tokens`` new tokens: smooth max of weight read and compute."""
-    return (lp.w_us**lp.p + (lp.f_us_per_tok * n_tokens) ** lp.p) ** (1.0 / lp.p)
+    return _gemm(lp.w_us, lp.f_us_per_tok, lp.p, n_tokens)
 
 
 def attn_us(lp: LatencyParams, batch, q, ctx_tokens, kernel: str = "best"):
@@ -163,32 +172,6 @@ def draft_us(lp: LatencyParams, batch, q, ctx_tokens, fc: bool | np.ndarray = Fa
         + lp.d_tok_us_per_tok * n
         + lp.d_kv_us_per_ctx_tok * ctx_tokens
     )
-
-
-def prefill_us(lp: LatencyParams, prefill_tokens: float) -> float:
-    """Time of prefilling ``prefill_tokens`` prompt tokens between two decode steps."""
-    if prefill_tokens <= 0:
-        return 0.0
-    p = float(prefill_tokens)
-    body = gemm_us(lp, p) + lp.tok_us_per_tok * p
-    return float(lp.t_fix_us + lp.pf_scale * body + lp.a0_us + lp.pf_attn_us_per_tok * p)
-
-
-def step_us(lp: LatencyParams, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float = 0.0) -> float:
-    """Expected wall time of one engine step (decode/verify at ``depth`` plus prefill), µs."""
-    t = lp.oh_us + lp.oh_req_us * bs + prefill_us(lp, prefill_tokens)
-    if depth > 0:
-        t += lp.oh_spec_us
-        t += float(draft_us(lp, bs, 1, ctx_tokens, True))
-        if depth > 1:
-            t += (depth - 1) * float(draft_us(lp, bs, 1, ctx_tokens, False))
-        t += float(target_us(lp, bs, depth + 1, ctx_tokens))
-        t += float(draft_us(lp, bs, depth + 1, ctx_tokens, False))
-    else:
-        t += float(target_us(lp, bs, 1, ctx_tokens))
-        if lp.extend0:
-            t += float(draft_us(lp, bs, 1, ctx_tokens, False))
-    return t
 
 
 def predict_component_ms(lp: LatencyParams, component: str, batch, q, ctx) -> np.ndarray:
@@ -402,7 +385,16 @@ def read_profile(path: str):
     return df
 
 
-# The coefficients :func:`step_time_kernel` reads, in this order (``extend0`` as 0.0/1.0).
+# --------------------------------------------------------------------------- one engine step
+#
+# The step formula of the module docstring, written once: :func:`step_time_kernel` (plain Python
+# that numba compiles). The simulator's hot path, the oracle, the goodput baseline and the fit
+# to traces (:func:`step_times_us`, the same kernel over arrays) all evaluate it, so every
+# consumer gets the same float for the same step. The order of its operations is part of the
+# simulator's definition (episodes are reproduced bit for bit): change it knowingly.
+
+# The coefficients the step kernels read, in the order they unpack them (``extend0`` as 0.0/1.0);
+# tests/test_fit.py checks the unpacking against this tuple.
 STEP_COEFFS = (
     "t_fix_us",
     "w_us",
@@ -452,39 +444,65 @@ def step_coeffs(lp: LatencyParams) -> np.ndarray:
 def step_time_us(
     lp: LatencyParams, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float = 0.0
 ) -> float:
-    """:func:`step_us` in plain float arithmetic: the simulator's hot path (no numpy calls)."""
+    """Expected wall time of one engine step (decode/verify at ``depth`` plus prefill), µs."""
     return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens)
+
+
+def prefill_us(lp: LatencyParams, prefill_tokens: float) -> float:
+    """Time of prefilling ``prefill_tokens`` prompt tokens between two decode steps, µs."""
+    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens)
+
+
+def step_times_us(lp: LatencyParams, bs: Any, depth: Any, ctx_tokens: Any, prefill_tokens: Any) -> np.ndarray:
+    """:func:`step_time_us` of every step of arrays of steps (for fitting to traces)."""
+    bs, depth, ctx_tokens, prefill_tokens = (
+        np.ascontiguousarray(x, dtype=np.float64) for x in (bs, depth, ctx_tokens, prefill_tokens)
+    )
+    out = np.empty(len(bs), dtype=np.float64)
+    _step_time_array(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens, out)
+    return out
+
+
+@maybe_njit
+def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float) -> float:
+    """``t`` plus the prefill of ``prefill_tokens`` prompt tokens (none: ``t``): one chunked pass."""
+    (t_fix_us, w_us, f_us_per_tok, p, tok_us_per_tok, a0_us, sq_us_per_seq, kv_us_per_ctx_tok,
+     aq_us, sqq_us_per_seq, kvq_us_per_ctx_tok, kvs_us_per_ctx_tok, fq_us, fq_kv_us_per_ctx_tok,
+     d_fix_us, d_fc_us, d_tok_us_per_tok, d_kv_us_per_ctx_tok, oh_us, oh_spec_us, oh_req_us,
+     extend0, pf_attn_us_per_tok, pf_scale) = c  # fmt: skip
+    if prefill_tokens > 0:
+        pf = float(prefill_tokens)
+        t += t_fix_us + pf_scale * (_gemm_kernel(w_us, f_us_per_tok, p, pf) + tok_us_per_tok * pf)
+        t += a0_us + pf_attn_us_per_tok * pf
+    return t
 
 
 @maybe_njit
 def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float) -> float:
-    """:func:`step_time_us` over :func:`step_coeffs` (compiled; callable from other kernels)."""
-    t_fix, w_us, f_tok, p, tok = c[0], c[1], c[2], c[3], c[4]
-    a0, sq, kv, aq, sqq, kvq, kvs, fq, fq_kv = c[5], c[6], c[7], c[8], c[9], c[10], c[11], c[12], c[13]
-    d_fix, d_fc, d_tok, d_kv = c[14], c[15], c[16], c[17]
-    oh, oh_spec, oh_req, extend0, pf_attn, pf_scale = c[18], c[19], c[20], c[21], c[22], c[23]
-    w_p = w_us**p
-    inv_p = 1.0 / p
-    t = oh + oh_req * bs
-    if prefill_tokens > 0:
-        pf = float(prefill_tokens)
-        t += t_fix + pf_scale * ((w_p + (f_tok * pf) ** p) ** inv_p + tok * pf)
-        t += a0 + pf_attn * pf
-    attn0 = a0 + sq * bs + kv * ctx_tokens
-    dr = d_fix + d_kv * ctx_tokens
+    """One engine step at ``depth`` (module docstring), µs, over :func:`step_coeffs` ``c``.
+
+    Compiled when numba is installed, and callable from other kernels of this module.
+    """
+    (t_fix_us, w_us, f_us_per_tok, p, tok_us_per_tok, a0_us, sq_us_per_seq, kv_us_per_ctx_tok,
+     aq_us, sqq_us_per_seq, kvq_us_per_ctx_tok, kvs_us_per_ctx_tok, fq_us, fq_kv_us_per_ctx_tok,
+     d_fix_us, d_fc_us, d_tok_us_per_tok, d_kv_us_per_ctx_tok, oh_us, oh_spec_us, oh_req_us,
+     extend0, pf_attn_us_per_tok, pf_scale) = c  # fmt: skip
+    t = _with_prefill(c, oh_us + oh_req_us * bs, prefill_tokens)
+    attn0 = a0_us + sq_us_per_seq * bs + kv_us_per_ctx_tok * ctx_tokens  # attention, any q
+    draft_pass = d_fix_us + d_kv_us_per_ctx_tok * ctx_tokens  # one draft pass, per-token work aside
     if depth > 0:
         q = depth + 1
         n = bs * q
-        t += oh_spec
-        t += depth * (dr + d_tok * bs) + d_fc  # k draft steps, the first with fc
-        t += t_fix + (w_p + (f_tok * n) ** p) ** inv_p + tok * n
-        split = aq + sqq * bs + (kvq + kvs * (q - 2)) * ctx_tokens
-        t += attn0 + min(split, fq + fq_kv * ctx_tokens)  # the faster verify kernel
-        t += dr + d_tok * n  # draft extend over the verified tokens
+        t += oh_spec_us
+        t += depth * (draft_pass + d_tok_us_per_tok * bs) + d_fc_us  # k draft steps, the first with fc
+        t += t_fix_us + _gemm_kernel(w_us, f_us_per_tok, p, n) + tok_us_per_tok * n  # the verify pass
+        split = aq_us + sqq_us_per_seq * bs + (kvq_us_per_ctx_tok + kvs_us_per_ctx_tok * (q - 2)) * ctx_tokens
+        t += attn0 + min(split, fq_us + fq_kv_us_per_ctx_tok * ctx_tokens)  # the faster verify kernel
+        t += draft_pass + d_tok_us_per_tok * n  # draft extend over the verified tokens
     else:
-        t += t_fix + (w_p + (f_tok * bs) ** p) ** inv_p + tok * bs + attn0
+        t += t_fix_us + _gemm_kernel(w_us, f_us_per_tok, p, bs) + tok_us_per_tok * bs + attn0
         if extend0 != 0.0:
-            t += dr + d_tok * bs
+            t += draft_pass + d_tok_us_per_tok * bs
     return float(t)
 
 
@@ -498,34 +516,14 @@ def step_times_kernel(
     return t, (t if depth == 0 else step_time_kernel(c, bs, 0, ctx_tokens, prefill_tokens))
 
 
-def step_time_us_vec(lp: LatencyParams, bs, depth, ctx_tokens, prefill_tokens) -> np.ndarray:
-    """:func:`step_time_us` over arrays of steps (for fitting to traces)."""
-    bs = np.asarray(bs, dtype=float)
-    d = np.asarray(depth, dtype=float)
-    c = np.asarray(ctx_tokens, dtype=float)
-    pf = np.asarray(prefill_tokens, dtype=float)
-    spec = d > 0
-    q = np.where(spec, d + 1.0, 1.0)
-    n = bs * q
-    t = lp.oh_us + lp.oh_req_us * bs
-    t = t + np.where(pf > 0, prefill_us_vec(lp, pf), 0.0)
-    attn0 = lp.a0_us + lp.sq_us_per_seq * bs + lp.kv_us_per_ctx_tok * c
-    dr = lp.d_fix_us + lp.d_kv_us_per_ctx_tok * c
-    target = lp.t_fix_us + gemm_us(lp, n) + lp.tok_us_per_tok * n + attn0
-    split = lp.aq_us + lp.sqq_us_per_seq * bs + (lp.kvq_us_per_ctx_tok + lp.kvs_us_per_ctx_tok * (q - 2)) * c
-    verify_extra = np.minimum(split, lp.fq_us + lp.fq_kv_us_per_ctx_tok * c)
-    spec_t = lp.oh_spec_us + d * (dr + lp.d_tok_us_per_tok * bs) + lp.d_fc_us + verify_extra
-    spec_t = spec_t + dr + lp.d_tok_us_per_tok * n
-    zero_t = (dr + lp.d_tok_us_per_tok * bs) if lp.extend0 else 0.0
-    return t + target + np.where(spec, spec_t, zero_t)
-
-
-def prefill_us_vec(lp: LatencyParams, prefill_tokens) -> np.ndarray:
-    """:func:`prefill_us` over an array (entries must be > 0)."""
-    p = np.asarray(prefill_tokens, dtype=float)
-    return (
-        lp.t_fix_us
-        + lp.pf_scale * (gemm_us(lp, p) + lp.tok_us_per_tok * p)
-        + lp.a0_us
-        + lp.pf_attn_us_per_tok * p
-    )
+@maybe_njit
+def _step_time_array(
+    c: np.ndarray,
+    bs: np.ndarray,
+    depth: np.ndarray,
+    ctx_tokens: np.ndarray,
+    prefill_tokens: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    for i in range(len(out)):
+        out[i] = step_time_kernel(c, bs[i], depth[i], ctx_tokens[i], prefill_tokens[i])

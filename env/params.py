@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.errors import FitError
 from env.acceptance import AcceptanceParams
+from env.errors import FitError
 from env.latency import LatencyParams
 from env.workload import WorkloadParams
 

@@ -1,7 +1,10 @@
-"""The one simulation loop: Engine → step record → Featurizer → policy → (delayed) depth.
+"""The one simulation loop: Engine → step record → Featurizer → action → (delayed) depth.
 
-The gym environment, ``controller bench`` and the agents' evaluation all drive the engine
-this way, so a policy is judged on exactly the observations it would get live.
+:class:`DecodeLoop` is that loop, one step at a time, and everything that drives the simulator
+goes through it: :func:`simulate` (a policy decides; ``controller bench`` and ``controller eval``),
+``SpecDecode-v0`` (the agent decides, one loop step per ``env.step``) and ``controller demo``
+(a served policy decides, over ZeroMQ). So a policy is judged on exactly the observations it
+would get live, with the delay it would see.
 """
 
 from __future__ import annotations
@@ -14,11 +17,71 @@ import numpy as np
 
 from controller.errors import ConfigError
 from controller.features import Featurizer
-from controller.policy import Policy
+from controller.policy import EngineBound, Policy
+from controller.protocol import DEFAULT_DEPTHS, Step
 from env.engine import Engine
 from env.params import SimParams
 
-DEFAULT_DEPTHS = (0, 1, 2, 3, 5)
+_NO_OBSERVATION = np.zeros(0, dtype=np.float32)
+
+
+class DecodeLoop:
+    """Engine step → step record → Featurizer → observation; the action decided from a record
+    runs ``action_delay`` steps later (overlap scheduling: the live hook applies decisions made
+    from telemetry one or two steps old); the steps before the first decision run at
+    ``depths[0]``.
+
+    Call :meth:`start` once (the first step), then :meth:`advance` with each action, decided
+    from the record and observation the previous call returned.
+
+    Args:
+        engine: a reset engine (:meth:`Engine.reset`).
+        depths: the allowed depths; an action is an index into them.
+        action_delay: steps between a record and the step its action applies to (≥ 1).
+        featurizer: folds each record into the observation returned (reset, for ``depths``);
+            by default a fresh one.
+        observe: False: no Featurizer, and an empty observation (whoever decides featurizes,
+            as the served controller does in the demo).
+
+    Attributes:
+        depth: the depth the last step ran with.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        depths: Sequence[int],
+        action_delay: int = 1,
+        *,
+        featurizer: Featurizer | None = None,
+        observe: bool = True,
+    ) -> None:
+        if action_delay < 1:
+            raise ConfigError(f"action_delay must be >= 1, got {action_delay}")
+        self.engine = engine
+        self.depths = tuple(int(d) for d in depths)
+        self.action_delay = action_delay
+        self.featurizer = (featurizer or Featurizer(self.depths)) if observe else None
+        self.depth = self.depths[0]
+        self._pending: deque[int] = deque()
+
+    def start(self) -> tuple[Step, np.ndarray]:
+        """Run the first step, at ``depths[0]``: its record and observation."""
+        self._pending = deque([0] * (self.action_delay - 1))
+        return self._run(0)
+
+    def advance(self, action: int) -> tuple[Step, np.ndarray]:
+        """Queue ``action`` and run the next step at the action queued ``action_delay`` steps
+        ago: its record and observation."""
+        pending = self._pending
+        pending.append(action)
+        return self._run(pending.popleft())
+
+    def _run(self, action: int) -> tuple[Step, np.ndarray]:
+        self.depth = depth = self.depths[action]
+        rec = self.engine.step(depth)
+        feat = self.featurizer
+        return rec, (feat.update(rec) if feat is not None else _NO_OBSERVATION)
 
 
 @dataclass
@@ -83,8 +146,8 @@ def simulate(
     Args:
         params: the deployment.
         workload: a workload spec (see :mod:`env.workload`).
-        policy: any :class:`controller.policy.Policy`; if it has ``bind_engine(engine)`` that
-            is called first (the clairvoyant oracle uses it).
+        policy: any :class:`controller.policy.Policy`; an :class:`~controller.policy.EngineBound`
+            one (the clairvoyant oracle) is bound to the engine first.
         depths: the allowed depths (the policy's action indexes them).
         seed: RNG seed of the engine.
         duration_s: stop once simulated time reaches this.
@@ -108,34 +171,33 @@ def simulate(
         and engine.spec.kind != "replay"
     ):
         raise ConfigError("simulate: give duration_s or n_requests for an endless workload")
-    feat = Featurizer(depths)
+    loop = DecodeLoop(engine, depths, action_delay)
     policy.reset()
-    bind = getattr(policy, "bind_engine", None)
-    if callable(bind):
-        bind(engine)
-    pending: deque[int] = deque([0] * action_delay)
+    if isinstance(policy, EngineBound):
+        policy.bind_engine(engine)
     limit_us = None if duration_s is None else int(duration_s * 1e6)
     t_list: list[int] = []
     bs_list: list[int] = []
     d_list: list[int] = []
     n_act = len(depths)
     steps = 0
-    while not engine.done and steps < max_steps:
-        depth = depths[pending.popleft()]
-        rec = engine.step(depth)
-        steps += 1
-        t_list.append(engine.now_us)
-        bs_list.append(rec.bs)
-        d_list.append(depth)
-        obs = feat.update(rec)
-        action = int(policy.act(obs, rec))
-        if not 0 <= action < n_act:
-            raise ConfigError(f"policy {policy.name!r} answered action {action}, outside 0..{n_act - 1}")
-        pending.append(action)
-        if limit_us is not None and engine.now_us >= limit_us:
-            break
-        if n_requests is not None and len(engine.completed) >= n_requests:
-            break
+    if not engine.done and max_steps > 0:
+        rec, obs = loop.start()
+        while True:
+            steps += 1
+            t_list.append(engine.now_us)
+            bs_list.append(rec.bs)
+            d_list.append(loop.depth)
+            action = int(policy.act(obs, rec))
+            if not 0 <= action < n_act:
+                raise ConfigError(f"policy {policy.name!r} answered action {action}, outside 0..{n_act - 1}")
+            if limit_us is not None and engine.now_us >= limit_us:
+                break
+            if n_requests is not None and len(engine.completed) >= n_requests:
+                break
+            if engine.done or steps >= max_steps:
+                break
+            rec, obs = loop.advance(action)
     return _result(engine, steps, t_list, bs_list, d_list)
 
 

@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from controller.errors import ConfigError, FitError
+from controller.errors import ConfigError
+from env.errors import FitError
 
 
 @dataclass(frozen=True)

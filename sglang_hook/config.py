@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from controller.errors import ConfigError
-from controller.protocol import MAX_DEPTH, MAX_DEPTHS, MAX_INSTANCE_CHARS
+from controller.protocol import DEFAULT_DEPTHS, MAX_DEPTH, MAX_DEPTHS, MAX_INSTANCE_CHARS
 
 ENV_ENDPOINT = "SPECDEPTH_CONTROLLER"
 ENV_DEPTHS = "SPECDEPTH_DEPTHS"
@@ -26,7 +26,6 @@ ENV_CLIENT_TICK_MS = "SPECDEPTH_CLIENT_TICK_MS"
 ENV_SINGLE_RANK = "SPECDEPTH_SINGLE_RANK"
 AUTO_THREAD_MIN_CPUS = 4  # --spec-client-thread auto: fewer, and the thread slows the scheduler
 
-DEFAULT_DEPTHS: tuple[int, ...] = (0, 1, 2, 3, 5)
 DEFAULT_STALE_MS = 200.0
 # The client thread looks at its queue every this many ms while records flow, so handing a
 # record over is a bare append (on the H200: 1.6 µs against 4.6 µs for a wake per record, the
@@ -211,20 +210,14 @@ def parse_auto_on_off(text: str, flag: str) -> bool | None:
     raise ConfigError(f"{flag} {text!r}: expected auto, on or off")
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def auto_client_thread(speculative: bool, cpus: int) -> bool:
+def auto_client_thread(speculative: bool, cpus: float) -> bool:
     """``--spec-client-thread auto``: a client thread only where it was measured to help.
 
     On the H200 host (EAGLE-3, 16 CPUs) the thread took the hook's time on the scheduler thread
     from ~72 to ~15 µs per step (p50) and left step times unchanged. On a 2-CPU box the thread made
     a CPU-bound scheduler's steps 17-31% slower: it competes with torch's threads for the cores
-    and for the GIL. Without speculation there is no decision to wait for either.
+    and for the GIL. Without speculation there is no decision to wait for either. ``cpus`` is
+    :func:`controller.cpus.usable_cpus`: the affinity mask, capped by a cgroup CPU quota (a
+    quota of 2 CPUs on a 16-core mask makes the threads compete as on a 2-CPU box).
     """
     return speculative and cpus >= AUTO_THREAD_MIN_CPUS

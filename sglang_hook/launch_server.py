@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.errors import ConfigError
+from controller.protocol import DEFAULT_DEPTHS
 from sglang_hook.config import (
     DEFAULT_CLIENT_TICK_MS,
-    DEFAULT_DEPTHS,
     DEFAULT_STALE_MS,
     ENV_CLIENT_TICK_MS,
     FALLBACK_SGLANG,

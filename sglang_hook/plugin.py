@@ -19,9 +19,9 @@ Hooks (see :mod:`sglang_hook.compat` for the exact targets):
 The scheduler thread reads only what must be read at the step (a few attributes and
 references SGLang never writes into) and hands them to the client, which builds the ``Step``.
 Where SGLang speculates on a host with CPUs to spare (``--spec-client-thread auto``), the client
-is a thread of its own (:class:`controller.client.ClientThread`): it builds, sends and drains,
+is a thread of its own (:class:`sglang_hook.client.ClientThread`): it builds, sends and drains,
 and the scheduler only queues. Elsewhere the scheduler thread does it all, one socket visit per
-record (:class:`controller.client.InlineClient`).
+record (:class:`sglang_hook.client.InlineClient`).
 
 Every hook catches every exception, logs it once, and lets SGLang continue as if the hook
 were absent: a scheduler exception would SIGQUIT the server.
@@ -29,28 +29,21 @@ were absent: a scheduler exception would SIGQUIT the server.
 
 from __future__ import annotations
 
-import gc
-import json
 import logging
-import os
 import socket
 import time
 from typing import Any
 
+from controller.cpus import usable_cpus
 from controller.errors import ConfigError
 from controller.protocol import MAX_STEP_US, Hello, Step
 from sglang_hook import compat, off_switch
 from sglang_hook.actuator import ActuatorState, DepthSync, TpSync, log_once, wrap_controller_params
-from sglang_hook.config import HookConfig, auto_client_thread, usable_cpus
+from sglang_hook.config import HookConfig, auto_client_thread
+from sglang_hook.profiler import HookProfiler
 
 logger = logging.getLogger("sglang_hook")
 
-ENV_PROFILE_OUT = "SPECDEPTH_PROFILE_OUT"  # benchmark: per-step hook cost written here (entry rank)
-# Benchmark: "alternate" reads the thread-CPU clock (a syscall) around the profiler's windows
-# only in every other block of PROFILE_FLUSH_EVERY records, so the effect of the profiler's own
-# syscalls on the wall time it measures shows side by side in one run; default "on".
-ENV_PROFILE_CPU_CLOCK = "SPECDEPTH_PROFILE_CPU_CLOCK"
-PROFILE_FLUSH_EVERY = 32
 # Without the client thread, the top of a scheduler iteration drains the controller's replies
 # only when the last drain (each record drains before it is sent) is older than this: a
 # fresher record cannot have its decision back yet. Long prefills and idle gaps still drain
@@ -59,48 +52,6 @@ POLL_AFTER_NS = 1_000_000
 # Without speculation no decision is ever applied: the inline client then drains the replies
 # (welcomes, errors that ask for a new hello) at most this often, and each record is one send.
 NO_SPEC_DRAIN_NS = 50_000_000
-# What the benchmark profiler records per decode step (bench/bench_hook.py reads the same keys).
-PROFILE_KEYS = (
-    "hook_ns",
-    "hook_cpu_ns",
-    "record_cpu_ns",
-    "polls",
-    "ref_cpu_ns",
-    "step_us",
-    "bs",
-    # hook_ns split by call site (wall): the step record (of which: the client's submit, a
-    # socket visit or, with the client thread, a hand-over), the visits at the top of
-    # scheduler iterations, the actuator wrapper.
-    "rec_ns",
-    "send_ns",
-    "poll_ns",
-    "wrap_ns",
-    # Off the scheduler thread: the client thread's CPU time since the previous record, and
-    # how long the newest record waited before its send (from its ts_ns).
-    "sender_cpu_ns",
-    "lag_ns",
-    # Of hook_ns: Python's cyclic garbage collector running inside the hook's windows. A
-    # collection runs where the allocation count crosses its threshold (3.12: at the next
-    # function call or loop jump after that), so the hook's first call after SGLang's own
-    # allocations can host a collection whose work is SGLang's young objects.
-    "gc_ns",
-    # The longest single window of the record and its site, an index into PROFILE_SITES (0 the
-    # record, 2 an iteration top, 3 the wrapper): tells a tail made of one slow window
-    # (something else ran on the core) from one made of many cold ones.
-    "max_window_ns",
-    "max_window_site",
-    # 1 where the thread-CPU clock was read around this record's windows (the *_cpu_ns keys
-    # and the reference are 0 where it was not: see ENV_PROFILE_CPU_CLOCK).
-    "cpu_clock",
-    # Per scheduler iteration instead of per decode record (lists of their own length): the
-    # hook's wall time from one iteration top to the next, for iterations that processed a
-    # batch result (decode or prefill), and whether that result was a decode.
-    "iter_ns",
-    "iter_decode",
-)
-
-
-PROFILE_SITES = ("rec", "send", "poll", "wrap")  # the profiler's call sites, as max_window_site numbers
 
 
 class HookRuntime:
@@ -138,7 +89,6 @@ class HookRuntime:
         self.sync = TpSync(self.state, fallback_desc=fallback)
         self.client: Any = None
         self._client_failed = False
-        self._sender_cpu_seen = 0
         self._scheduler: Any = None
         self._decode_mode = compat.decode_mode()
         self.instance = ""
@@ -147,25 +97,10 @@ class HookRuntime:
         self.prev_decode_ns: int | None = None
         self.prefill_tokens = 0
         self.skipped_records = 0
-        # Benchmark only: the hook's own wall and thread-CPU time since the previous step record.
-        self._profile_path = os.environ.get(ENV_PROFILE_OUT, "") if ranks.is_entry else ""
-        self.profiler: HookRuntime | None = self if self._profile_path else None
-        self.pending_wall_ns = 0
-        self.pending_cpu_ns = 0
-        self.pending_polls = 0
-        self.pending_site_ns = dict.fromkeys(PROFILE_SITES, 0)
-        self.pending_gc_ns = 0
-        self.pending_max_ns = 0
-        self.pending_max_site = ""
-        self.pending_iter_ns = 0  # this scheduler iteration's hook time so far
-        self.iter_result = 0  # 0: no batch result yet this iteration, 1: a prefill's, 2: a decode's
-        self._gc_ns = 0  # wall ns inside collections, all of them, since start
-        self._gc_t0 = 0
-        self._profile: dict[str, list[int]] = {key: [] for key in PROFILE_KEYS}
-        self._cpu_clock = True
-        self._cpu_alternate = os.environ.get(ENV_PROFILE_CPU_CLOCK, "on") == "alternate"
-        if self.profiler is not None:
-            gc.callbacks.append(self._on_gc)
+        # Benchmark only ($SPECDEPTH_PROFILE_OUT): the hook's own time per step record.
+        self.profiler = (
+            HookProfiler.from_env(counters=lambda: vars_of(self.state.counters)) if ranks.is_entry else None
+        )
 
     # ------------------------------------------------------------------ entry rank: controller
 
@@ -173,7 +108,7 @@ class HookRuntime:
         if self.client is not None or self._client_failed:
             return self.client
         try:
-            from controller.client import ClientThread, ControllerClient, InlineClient
+            from sglang_hook.client import ClientThread, ControllerClient, InlineClient
 
             spec_on = self.state.valid is not None
             depths = tuple(sorted(self.state.valid)) if spec_on else (0,)  # type: ignore[arg-type]
@@ -206,7 +141,7 @@ class HookRuntime:
             if thread is None:
                 cpus = usable_cpus()
                 thread = auto_client_thread(spec_on, cpus)
-                why = f"auto: speculation {'on' if spec_on else 'off'}, {cpus} CPUs"
+                why = f"auto: speculation {'on' if spec_on else 'off'}, {cpus:g} CPUs"
             mode = "on" if thread else "off"
             if thread:
                 tick = self.config.client_tick_ms
@@ -339,7 +274,7 @@ class HookRuntime:
                 else:
                     t1 = time.perf_counter_ns()
                     client.submit(captured)
-                    self.pending_site_ns["send"] += time.perf_counter_ns() - t1
+                    prof.pending_site_ns["send"] += time.perf_counter_ns() - t1
             if self.direct and client is not None:
                 # The decision the client holds now (the inline client drained in submit()),
                 # applied for the next decode launch, as the broadcast would have at the top of
@@ -348,22 +283,14 @@ class HookRuntime:
                 sync = self.sync
                 if not (sync.repeat_is_noop and depth == sync.last_desired):
                     sync.apply_here(depth)
-            if t0 is not None:
-                self._profile["record_cpu_ns"].append(self.stop(t0, "rec"))
-                self.iter_result = 2
-                if bs:
-                    self._profile_step(step_us, bs)
-                if self.direct:  # no iteration top to close it at
-                    self.close_iteration()
+            if prof is not None and t0 is not None:
+                prof.end_decode(t0, step_us, bs, self.client, close=self.direct)
         elif batch.forward_mode.is_extend():
             n = getattr(batch, "extend_num_tokens", None)
             if type(n) is int and n > 0:
                 self.prefill_tokens += n
-            if t0 is not None:
-                self.stop(t0, "rec")
-                self.iter_result = self.iter_result or 1
-                if self.direct:
-                    self.close_iteration()
+            if prof is not None and t0 is not None:
+                prof.end_prefill(t0, close=self.direct)
 
     def _skip(self, depth: int, per_req: Any) -> None:
         self.skipped_records += 1
@@ -404,94 +331,10 @@ class HookRuntime:
         Through the broadcast, the first iteration top did it; a replica of one rank has none.
         """
         self.prev_decode_ns = None
-        self._clear_pending()
+        if self.profiler is not None:
+            self.profiler.clear_pending()
         if self.is_entry and self.client is None:
             self._ensure_client(scheduler.server_args)
-
-    # Benchmark profiler (only when $SPECDEPTH_PROFILE_OUT is set; otherwise nothing is timed).
-    # The CPU clock is a syscall, the wall clock is not (vDSO): each wall window opens after and
-    # closes before the CPU clock's reads, so the wall numbers carry no syscall of the profiler.
-    def start(self) -> tuple[int, int, int]:
-        cpu = time.thread_time_ns() if self._cpu_clock else 0
-        return time.perf_counter_ns(), cpu, self._gc_ns
-
-    def stop(self, t0: tuple[int, int, int], site: str = "wrap") -> int:
-        """Close a window opened by :meth:`start`; returns its thread-CPU ns."""
-        wall = time.perf_counter_ns() - t0[0]
-        cpu = time.thread_time_ns() - t0[1] if self._cpu_clock else 0
-        self.pending_wall_ns += wall
-        self.pending_iter_ns += wall
-        self.pending_cpu_ns += cpu
-        self.pending_site_ns[site] += wall
-        self.pending_gc_ns += self._gc_ns - t0[2]
-        if wall > self.pending_max_ns:
-            self.pending_max_ns, self.pending_max_site = wall, site
-        return cpu
-
-    def close_iteration(self) -> None:
-        """At an iteration top, before its window: the previous iteration's hook time, if it ran a batch."""
-        if self.iter_result:
-            self._profile["iter_ns"].append(self.pending_iter_ns)
-            self._profile["iter_decode"].append(self.iter_result - 1)
-        self.pending_iter_ns = self.iter_result = 0
-
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        # gc.callbacks: called on the collecting thread, at the start and the end of each collection.
-        if phase == "start":
-            self._gc_t0 = time.perf_counter_ns()
-        else:
-            self._gc_ns += time.perf_counter_ns() - self._gc_t0
-
-    def _profile_step(self, step_us: int, bs: int) -> None:
-        prof = self._profile
-        prof["hook_ns"].append(self.pending_wall_ns)
-        prof["hook_cpu_ns"].append(self.pending_cpu_ns)
-        prof["polls"].append(self.pending_polls)
-        # A fixed pure-Python reference right after the hook: shows how much this host inflates
-        # any Python code at this point of the step (cold caches after the forward, SMT, load).
-        if self._cpu_clock:
-            t0 = time.thread_time_ns()
-            sum(range(200))
-            prof["ref_cpu_ns"].append(time.thread_time_ns() - t0)
-        else:
-            prof["ref_cpu_ns"].append(0)
-        prof["cpu_clock"].append(int(self._cpu_clock))
-        for site, ns in self.pending_site_ns.items():
-            prof[site + "_ns"].append(ns)
-        prof["step_us"].append(step_us)
-        prof["bs"].append(bs)
-        client = self.client
-        busy = client.busy_cpu_ns if client is not None else 0
-        prof["sender_cpu_ns"].append(busy - self._sender_cpu_seen)
-        self._sender_cpu_seen = busy
-        prof["lag_ns"].append(client.last_lag_ns if client is not None else 0)
-        prof["gc_ns"].append(self.pending_gc_ns)
-        prof["max_window_ns"].append(self.pending_max_ns)
-        prof["max_window_site"].append(
-            PROFILE_SITES.index(self.pending_max_site) if self.pending_max_ns else -1
-        )
-        self._clear_pending()
-        if len(prof["hook_ns"]) % PROFILE_FLUSH_EVERY == 0:
-            self.flush_profile()
-            if self._cpu_alternate:  # between windows: none is open now
-                self._cpu_clock = not self._cpu_clock
-
-    def _clear_pending(self) -> None:
-        """Start the next record's sums (after a record, or when the scheduler goes idle)."""
-        self.pending_wall_ns = self.pending_cpu_ns = self.pending_polls = self.pending_gc_ns = 0
-        self.pending_max_ns = 0
-        for site in self.pending_site_ns:
-            self.pending_site_ns[site] = 0
-
-    def flush_profile(self) -> None:
-        """Benchmark only: append the buffered per-step costs as one JSON line to ``$SPECDEPTH_PROFILE_OUT``."""
-        if not self._profile_path or not self._profile["hook_ns"]:
-            return
-        line = json.dumps({**self._profile, "counters": vars_of(self.state.counters)})
-        with open(self._profile_path, "a") as f:
-            f.write(line + "\n")
-        for values in self._profile.values():
-            values.clear()
 
 
 def vars_of(obj: Any) -> dict[str, Any]:
@@ -556,10 +399,10 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
     if rt is None:
         return original(receiver, recv_reqs, *args, **kwargs)
     if recv_reqs is not None and rt.is_entry:
-        t0 = None
-        if rt.profiler is not None:
-            rt.close_iteration()
-            t0 = rt.start()
+        prof, t0 = rt.profiler, None
+        if prof is not None:
+            prof.close_iteration()
+            t0 = prof.start()
         try:
             marker = rt.offer(receiver)
             if marker is not None:
@@ -567,9 +410,9 @@ def broadcast_hook(original: Any, receiver: Any, recv_reqs: Any, *args: Any, **k
         except Exception:
             rt.state.counters.hook_errors += 1
             log_once("offer", "spec controller: polling failed; no decision this step", exc=True)
-        if t0 is not None:
-            rt.stop(t0, "poll")
-            rt.pending_polls += 1
+        if prof is not None and t0 is not None:
+            prof.stop(t0, "poll")
+            prof.pending_polls += 1
     out = original(receiver, recv_reqs, *args, **kwargs)
     if not out:  # most iterations: nothing arrived, no marker either
         return out

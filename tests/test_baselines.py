@@ -7,17 +7,17 @@ import random
 import numpy as np
 import pytest
 
-from agents.baselines import (
+from agents.oracle import OraclePolicy
+from controller.baselines import (
     BanditPolicy,
     GoodputPolicy,
     SGLangAdaptivePolicy,
     nearest_allowed_at_most,
 )
-from agents.oracle import OraclePolicy
 from controller.errors import ConfigError, PolicyLoadError
 from controller.features import Featurizer
-from controller.policy import builtin_names, make_factory
 from controller.protocol import Step
+from controller.registry import builtin_names, make_factory
 
 DEPTHS = (0, 1, 2, 3, 5)
 
@@ -114,7 +114,7 @@ def test_sglang_adaptive_matches_sglang_itself():
     """Same verify stream → the same steps as SGLang 0.5.23's own AdaptiveSpeculativeParams."""
     mod = pytest.importorskip("sglang.srt.speculative.adaptive_spec_params")
     depths = (0, 1, 3, 5, 7)  # every default candidate is allowed, so no intersection effects
-    from agents.baselines import SGLANG_SPEC_GRAPH_BS
+    from controller.baselines import SGLANG_SPEC_GRAPH_BS
 
     ref = mod.AdaptiveSpeculativeParams(initial_steps=3)
     ref.set_cuda_graph_bs(list(SGLANG_SPEC_GRAPH_BS))
@@ -199,3 +199,15 @@ def test_policies_are_deterministic_for_the_same_stream():
     for name in ("vllm-dsd", "trtllm-schedule", "sglang-adaptive", "goodput", "bandit"):
         f = make_factory(f"builtin:{name}", DEPTHS)
         assert drive(f(DEPTHS), steps) == drive(f(DEPTHS), steps), name
+
+
+def test_optional_capabilities_are_declared_not_guessed(tmp_path):
+    from controller.baselines import StaticPolicy
+    from controller.policy import EngineBound, FusedPolicy, Policy, ServingFactory
+
+    static = StaticPolicy(0, DEPTHS)
+    assert isinstance(static, Policy)
+    assert not isinstance(static, FusedPolicy | EngineBound)
+    assert isinstance(OraclePolicy(DEPTHS), EngineBound)
+    builtin = make_factory("builtin:goodput", DEPTHS)
+    assert not isinstance(builtin, ServingFactory)

@@ -194,3 +194,22 @@ def test_traces_summarize_errors_and_output(tmp_path: Path) -> None:
     assert row[1] == "4" and row[3] == "2.00"  # 4 steps at depth 3, mean accepted (3+1)/2
     (tmp_path / "junk.msgpack").write_bytes(b"\xc1" * 10)
     assert_one_line_error(run_cli("traces", "summarize", str(tmp_path)), "junk.msgpack", "byte 0")
+
+
+def test_torn_traces_plain_or_gzipped_are_read_up_to_the_tear_with_one_warning_line_each(
+    tmp_path: Path,
+) -> None:
+    import gzip
+
+    with TraceWriter(tmp_path, "torn", start_ns=1) as w:
+        for seq in range(6):
+            w.write(Step("torn", seq, 3, 2, 0, [3, 1], 20_000, 100, 0.5, 0, seq).to_wire(), 2 + seq)
+    data = w.path.read_bytes()
+    w.path.write_bytes(data[:-5])  # plain: the last record torn
+    (tmp_path / "cut-2.msgpack.gz").write_bytes(gzip.compress(data)[:-6])  # gzip: the stream cut short
+    proc = run_cli("traces", "summarize", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    warned = proc.stderr.strip().splitlines()
+    assert len(warned) == 2 and all(ln.startswith("controller traces: warning: ") for ln in warned), warned
+    assert any("torn-1.msgpack" in ln for ln in warned) and any("cut-2.msgpack.gz" in ln for ln in warned)
+    assert "instance torn: 11 steps" in proc.stdout  # 5 before the tear + 6 from the cut gzip

@@ -12,9 +12,9 @@ import msgpack
 import pytest
 import zmq
 
-from controller.client import ClientThread, ControllerClient
 from controller.protocol import Hello, Step, pack
 from controller.service import ServeConfig, Server
+from sglang_hook.client import ClientThread, ControllerClient
 
 DEPTHS = (0, 1, 2, 3)
 

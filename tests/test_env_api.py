@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import env  # noqa: F401 — registers SpecDecode-v0
-from controller.errors import ConfigError, FitError
+from controller.baselines import StaticPolicy
+from controller.errors import ConfigError
 from controller.features import Featurizer
-from controller.policy import StaticPolicy
 from env.deployments import DEPLOYMENTS, load_deployment
+from env.errors import FitError
 from env.gym_env import SpecDecodeEnv
 from env.params import SimParams
 from env.runner import simulate

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_hook import compat, plugin  # noqa: E402
+from sglang_hook import compat, plugin, profiler  # noqa: E402
 from sglang_hook.actuator import ActuatorState, DepthSync, TpSync, wrap_controller_params  # noqa: E402
 from sglang_hook.config import HookConfig  # noqa: E402
 
@@ -416,8 +416,8 @@ def test_the_scheduler_thread_never_touches_the_socket(
     import threading
     import time
 
-    from controller.client import ControllerClient
     from controller.service import ServeConfig, Server
+    from sglang_hook.client import ControllerClient
 
     endpoint = f"ipc://{tmp_path}/ctl.sock"
     server = Server(ServeConfig(policy="builtin:static:3", bind=endpoint))
@@ -462,8 +462,8 @@ def test_client_thread_off_visits_the_socket_on_the_callers_thread(tmp_path: Pat
     import threading
     import time
 
-    from controller.client import InlineClient
     from controller.service import ServeConfig, Server
+    from sglang_hook.client import InlineClient
 
     endpoint = f"ipc://{tmp_path}/ctl.sock"
     server = Server(ServeConfig(policy="builtin:static:3", bind=endpoint))
@@ -497,8 +497,8 @@ def test_one_socket_visit_per_step_and_polls_again_when_records_stop() -> None:
     """Inline: the record drains replies before sending; the iteration top drains only when it is stale."""
     import time
 
-    from controller.client import InlineClient
     from controller.protocol import Step
+    from sglang_hook.client import InlineClient
 
     class CountingClient:  # ControllerClient's calls, counted
         def __init__(self) -> None:
@@ -564,8 +564,8 @@ def test_the_step_record_holds_what_sglang_reported(thread: bool) -> None:
     """The scheduler thread captures; the record is built inline or on the client thread, the same."""
     import time
 
-    from controller.client import ClientThread, InlineClient
     from controller.protocol import Step
+    from sglang_hook.client import ClientThread, InlineClient
 
     rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
     rt.instance, rt.hello_depths = "i", DEPTHS
@@ -600,8 +600,8 @@ def test_the_step_record_holds_what_sglang_reported(thread: bool) -> None:
 
 def test_inline_client_without_speculation_drains_only_now_and_then() -> None:
     """No decision is applied without speculation: a record is one send, replies drain rarely."""
-    from controller.client import InlineClient
     from controller.protocol import Step
+    from sglang_hook.client import InlineClient
 
     class CountingClient(RecordingClient):
         polls = 0
@@ -697,14 +697,13 @@ def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_wind
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SPECDEPTH_PROFILE_OUT: per record, the hook's windows summed, split by site, and the longest one."""
-    import gc
 
-    from controller.client import InlineClient
+    from sglang_hook.client import InlineClient
 
     out = tmp_path / "prof.jsonl"
-    monkeypatch.setenv(plugin.ENV_PROFILE_OUT, str(out))
+    monkeypatch.setenv(profiler.ENV_PROFILE_OUT, str(out))
     rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
-    assert rt.profiler is rt
+    assert isinstance(rt.profiler, profiler.HookProfiler)
     rt.instance, rt.hello_depths = "i", DEPTHS
     inner = RecordingClient()
     rt.client = InlineClient(inner, build=rt.build_step)  # type: ignore[arg-type]
@@ -717,13 +716,13 @@ def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_wind
                 fake_prefill(rt, scheduler, 16)
                 plugin.broadcast_hook(lambda receiver, reqs: reqs, RECEIVER, [])
             fake_decode(rt, scheduler, [10, 20], depth=3, accept=[1, 2])
-        rt.flush_profile()
+        rt.profiler.flush()
     finally:
         plugin.reset_runtime(None)
-        gc.callbacks.remove(rt._on_gc)  # the profiler's GC timer, which it installed
+        rt.profiler.close()  # the profiler's GC timer, which it installed
     prof = read_profile(out)
     assert len(inner.sent) == 5
-    per_record = [k for k in plugin.PROFILE_KEYS if k not in ("iter_ns", "iter_decode")]
+    per_record = [k for k in profiler.PROFILE_KEYS if k not in ("iter_ns", "iter_decode")]
     assert all(len(prof[k]) == 5 for k in per_record), {k: len(prof[k]) for k in per_record}
     assert prof["polls"] == [1, 1, 2, 1, 1]
     assert prof["bs"] == [2] * 5 and prof["step_us"] == [s.step_us for s in inner.sent]  # each record's own
@@ -731,7 +730,7 @@ def test_the_benchmark_profiler_writes_one_entry_per_record_and_the_longest_wind
         sites = prof["rec_ns"][i] + prof["poll_ns"][i] + prof["wrap_ns"][i]
         assert prof["hook_ns"][i] == sites  # the send is timed inside the record's window
         assert 0 < prof["max_window_ns"][i] <= prof["hook_ns"][i]
-        assert plugin.PROFILE_SITES[prof["max_window_site"][i]] in ("rec", "poll")
+        assert profiler.PROFILE_SITES[prof["max_window_site"][i]] in ("rec", "poll")
     assert len(prof["iter_ns"]) == 5  # iterations that processed a batch: 5 decodes, 1 prefill, less the last
     assert prof["iter_decode"][:3] == [1, 1, 0]
 
@@ -799,9 +798,8 @@ def test_the_profiler_closes_iterations_at_the_record_on_one_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No iteration tops to close an iteration at: each batch result closes its own."""
-    import gc
 
-    monkeypatch.setenv(plugin.ENV_PROFILE_OUT, str(tmp_path / "prof.jsonl"))
+    monkeypatch.setenv(profiler.ENV_PROFILE_OUT, str(tmp_path / "prof.jsonl"))
     rt = plugin.HookRuntime(
         HookConfig(endpoint="ipc:///tmp/hook-none.sock", single_rank=True), compat.Ranks()
     )
@@ -813,9 +811,9 @@ def test_the_profiler_closes_iterations_at_the_record_on_one_rank(
             if k == 2:
                 fake_prefill(rt, fake_scheduler(), 16)
             fake_decode(rt, fake_scheduler(), [10], depth=3, accept=[1])
-        rt.flush_profile()
+        rt.profiler.flush()
     finally:
-        gc.callbacks.remove(rt._on_gc)
+        rt.profiler.close()
     prof = read_profile(tmp_path / "prof.jsonl")
     assert prof["iter_decode"] == [1, 1, 0, 1, 1]
     assert all(n > 0 for n in prof["iter_ns"])
@@ -826,23 +824,22 @@ def test_the_profiler_can_leave_the_cpu_clock_out_of_every_other_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SPECDEPTH_PROFILE_CPU_CLOCK=alternate: blocks of records with and without the CPU clock's syscalls."""
-    import gc
 
-    monkeypatch.setenv(plugin.ENV_PROFILE_OUT, str(tmp_path / "prof.jsonl"))
-    monkeypatch.setenv(plugin.ENV_PROFILE_CPU_CLOCK, "alternate")
+    monkeypatch.setenv(profiler.ENV_PROFILE_OUT, str(tmp_path / "prof.jsonl"))
+    monkeypatch.setenv(profiler.ENV_PROFILE_CPU_CLOCK, "alternate")
     rt = plugin.HookRuntime(
         HookConfig(endpoint="ipc:///tmp/hook-none.sock", single_rank=True), compat.Ranks()
     )
     rt.instance, rt.hello_depths = "i", DEPTHS
-    n = 3 * plugin.PROFILE_FLUSH_EVERY
+    n = 3 * profiler.PROFILE_FLUSH_EVERY
     rt.client = SubmitScriptedClient([None] * n)
     try:
         for _ in range(n):
             fake_decode(rt, fake_scheduler(), [10])
     finally:
-        gc.callbacks.remove(rt._on_gc)
+        rt.profiler.close()
     prof = read_profile(tmp_path / "prof.jsonl")
-    block = plugin.PROFILE_FLUSH_EVERY
+    block = profiler.PROFILE_FLUSH_EVERY
     assert prof["cpu_clock"] == [1] * block + [0] * block + [1] * block
     off = [i for i, on in enumerate(prof["cpu_clock"]) if not on]
     assert all(prof["hook_cpu_ns"][i] == prof["ref_cpu_ns"][i] == 0 for i in off)

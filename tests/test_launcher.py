@@ -73,9 +73,10 @@ def test_client_thread_flag_reaches_the_schedulers_environment(tmp_path) -> None
 
 
 def test_auto_client_thread_only_where_speculation_runs_on_enough_cpus() -> None:
-    from sglang_hook.config import AUTO_THREAD_MIN_CPUS, auto_client_thread, usable_cpus
+    from controller.cpus import usable_cpus
+    from sglang_hook.config import AUTO_THREAD_MIN_CPUS, auto_client_thread
 
     assert auto_client_thread(True, AUTO_THREAD_MIN_CPUS)
     assert not auto_client_thread(True, AUTO_THREAD_MIN_CPUS - 1)
     assert not auto_client_thread(False, 64)
-    assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
+    assert 0 < usable_cpus() <= (os.cpu_count() or 1)

@@ -21,9 +21,9 @@ import torch
 import zmq
 
 from controller.features import Featurizer
-from controller.policy import make_factory
 from controller.ppo_policy import meta_for, write_metadata
 from controller.protocol import Hello, Step, encode
+from controller.registry import make_factory
 
 DEPTHS = (0, 1, 2, 3, 5)
 BUNDLED = Path(__file__).resolve().parents[1] / "agents" / "bundled" / "h200-llama8b" / "ppo.zip"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.polling import GAP_MAX_NS, LEAD_MAX_NS, Cadence, SpinPlanner, usable_cpus
+from controller.cpus import usable_cpus
+from controller.polling import GAP_MAX_NS, LEAD_MAX_NS, Cadence, SpinPlanner
 
 MS = 1_000_000
 HANDLE_NS = 20_000  # a message's handling time
@@ -175,7 +176,7 @@ def test_usable_cpus_is_at_most_the_affinity() -> None:
 
 
 def test_cgroup_quotas_are_read_in_cpus(tmp_path: Path) -> None:
-    from controller.polling import _read_quota
+    from controller.cpus import _read_quota
 
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert _read_quota(tmp_path, "cpu.max") == 1.5

@@ -36,6 +36,7 @@ from controller.protocol import (
     _instance,
     _int,
     check_step,
+    decision_encoder,
     decode,
     encode,
     from_wire,
@@ -389,6 +390,14 @@ def test_decision_fast_path_agrees_with_the_field_checks(wire: dict[str, Any]) -
         return Decision(_instance(w), _int(w, "seq", 0, MAX_U63), _int(w, "depth", 0, MAX_DEPTH))
 
     assert _outcome(parse_decision, wire) == _outcome(checked, wire)
+
+
+@pytest.mark.parametrize("instance", ["a", "x" * 31, "y" * 32, "ü" * MAX_INSTANCE_CHARS])
+def test_decision_encoder_makes_the_bytes_of_encode(instance: str) -> None:
+    encode_decision = decision_encoder(instance)
+    for seq in (0, 1, 127, 128, 2**16, 2**32, MAX_U63):
+        for depth in range(MAX_DEPTH + 1):
+            assert encode_decision(seq, depth) == encode(Decision(instance, seq, depth)), (seq, depth)
 
 
 def test_check_step_depth_and_seq() -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import gzip
 import math
 import os
+import warnings
 from pathlib import Path
 
 import msgpack
 import pytest
 
-from controller.errors import TraceError
+from controller.errors import TraceError, TraceWarning
 from controller.protocol import Decision, Hello, Step, encode
 from controller.traces import (
     COLUMNS,
@@ -95,9 +96,14 @@ def test_torn_last_record_is_skipped_at_every_cut(tmp_path: Path) -> None:
     assert ends[-1] == len(data)
     for cut in range(len(data)):
         path.write_bytes(data[:cut])
-        got = list(iter_records(path))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = list(iter_records(path))
         complete = sum(1 for e in ends if e <= cut)
         assert got == full[:complete], cut
+        torn = cut not in (0, *ends)  # the file ends inside a record: said once, with its name
+        assert [w.category for w in caught] == ([TraceWarning] if torn else []), cut
+        assert all(path.name in str(w.message) for w in caught)
 
 
 def test_corruption_in_the_middle_names_file_and_offset(tmp_path: Path) -> None:
@@ -133,13 +139,29 @@ def test_gzipped_traces_read_like_plain_ones(tmp_path: Path) -> None:
     assert list(iter_records(gz_dir / "a-2.msgpack.gz")) == list(iter_records(plain))
     # A torn tail inside the compressed stream is skipped exactly like a plain one.
     data = plain.read_bytes()
-    gz_dir.joinpath("a-2.msgpack.gz").write_bytes(gzip.compress(data[:-3]))
-    assert list(iter_records(gz_dir / "a-2.msgpack.gz")) == list(iter_records(plain))[:-1]
-    # Not gzip, or a truncated gzip stream: one TraceError naming the file.
-    for bad in (data, gzip.compress(data)[:-10]):
-        gz_dir.joinpath("a-2.msgpack.gz").write_bytes(bad)
+    full = list(iter_records(plain))
+    gz = gz_dir / "a-2.msgpack.gz"
+    gz.write_bytes(gzip.compress(data[:-3]))
+    with pytest.warns(TraceWarning, match="a-2.msgpack.gz"):
+        assert list(iter_records(gz)) == full[:-1]
+    # A gzip stream cut short (a crash while compressing, a partial copy) is a torn tail too:
+    # the records before the cut, and the same warning.
+    packed = gzip.compress(data)
+    for cut in (len(packed) - 4, len(packed) // 2, 30):
+        gz.write_bytes(packed[:cut])
+        with pytest.warns(TraceWarning, match="a-2.msgpack.gz.*gzip stream is cut short"):
+            got = list(iter_records(gz))
+        assert got == full[: len(got)] and (cut < len(packed) // 2 + 1 or len(got) == len(full))
+    # Members padded with zeros read as one stream, as gzip itself reads them.
+    gz.write_bytes(gzip.compress(data[:100]) + b"\0" * 8 + gzip.compress(data[100:]))
+    assert list(iter_records(gz)) == full
+    # Not gzip, or a stream that does not decompress: one TraceError naming the file.
+    corrupt = bytearray(packed)
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    for bad in (data, bytes(corrupt)):
+        gz.write_bytes(bad)
         with pytest.raises(TraceError, match="a-2.msgpack.gz"):
-            list(iter_records(gz_dir / "a-2.msgpack.gz"))
+            list(iter_records(gz))
 
 
 def test_load_traces_columns_and_types(tmp_path: Path) -> None:

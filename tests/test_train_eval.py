@@ -179,3 +179,23 @@ def test_drafter_mix_draws_drafters_across_the_quality_range():
     assert off.engine is not None and off.engine.params.acceptance == fitted
     with pytest.raises(Exception, match="drafter_mix"):
         SpecDecodeEnv(deployment="h200-llama8b", drafter_mix=1.5)
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--concurrency", "1,x"], "--concurrency"),
+        (["--seeds", "0"], "--seeds"),
+        (["--scale", "-1"], "--scale"),
+        (["--jobs", "0"], "--jobs"),
+    ],
+)
+def test_eval_refuses_bad_arguments_before_it_runs_anything(tmp_path, capsys, flags, needle):
+    out = tmp_path / "never"
+    rc = main(["eval", "--deployment", "seed", "--out", str(out), *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("controller eval: error:") and needle in err, (
+        err
+    )
+    assert "eval:" not in err.split("error:", 1)[1] and not out.exists()  # no progress bar, no output

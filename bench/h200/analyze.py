@@ -388,7 +388,7 @@ def _tail_window(
 ) -> tuple[float, int, int, int] | None:
     """Over the top 1% of steps by hook time: the mean share of the longest window, and how
     many of those windows were the record's, an iteration top's, the wrapper's."""
-    from sglang_hook.plugin import PROFILE_SITES  # max_window_site is an index into it
+    from sglang_hook.profiler import PROFILE_SITES  # max_window_site is an index into it
 
     longest, site = prof.get("max_window_ns"), prof.get("max_window_site")
     if not longest or not site:

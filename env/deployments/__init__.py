@@ -6,7 +6,7 @@
 - ``seed``: the seed document's SGLang v0.5.9 EAGLE-3 deployment, calibrated so that the
   closed-loop benchmark reproduces ``reference/seed_benchmark.md`` (see docs/simulator.md).
 
-Rebuild them with ``python -m env.deployments.build`` (needs ``../shared/reference``).
+Rebuild them with ``python -m env.deployments.build`` (from ``env/profiles/``, shipped).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Rebuild the bundled deployments: ``python -m env.deployments.build [--reference DIR]``.
 
+``DIR`` holds ``h200_llama8b/latency.csv`` (by default ``env/profiles``, the shipped copy of
+the shared reference data's measurement; a ``../shared/reference`` folder works too).
+
 ``h200-llama8b``: the latency model fitted to the H200 profile (all rows), SGLang's per-step
 overheads on top (the profile has no scheduler/sampling time), acceptance calibrated to the
 published conditional acceptance 0.73/0.71/0.68 of Llama-3.1-8B + EAGLE-3 on MT-Bench.
@@ -24,7 +27,7 @@ from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
 _HERE = Path(__file__).resolve().parent
-DEFAULT_REFERENCE = _HERE.parents[2] / "shared" / "reference"
+DEFAULT_REFERENCE = _HERE.parent / "profiles"
 
 
 def _solve_shift(ap: AcceptanceParams, depth: int, target_len: float) -> float:

@@ -17,12 +17,12 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from controller.protocol import DEFAULT_DEPTHS as DEPTHS
 from controller.protocol import Decision, Hello
 from controller.traces import TraceWriter
 from env.deployments import load_deployment
 from env.engine import Engine
 
-DEPTHS = (0, 1, 2, 3, 5)
 HERE = Path(__file__).resolve().parent
 RUNS = {
     "h200-llama8b": [("closed:4", 1200), ("closed:32", 1500), ("poisson:12", 1500), ("closed:128", 800)],

@@ -4,7 +4,8 @@ This runs inside SGLang's scheduler, on the critical path of every decode step, 
 imports only the standard library, pyzmq, msgpack and :mod:`controller.protocol`, and it
 never raises into the caller because of the network: a controller that is down, slow,
 restarting or answering garbage only makes :meth:`ControllerClient.poll_decision` return
-``None`` (the hook then falls back to SGLang's own policy, DESIGN.md "Decision semantics").
+``None`` (the hook then falls back to SGLang's own policy: "Decision semantics" in
+:mod:`controller.protocol`).
 
 Socket: one DEALER with ``IMMEDIATE`` (nothing is queued for a controller that is not
 connected, so a restarted controller never receives a burst of stale steps), a small send

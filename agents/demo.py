@@ -11,7 +11,9 @@ What it shows, on bundled data only:
 3. What the controller decided as load rose, and what that was worth: the same workload and
    seed replayed in-process for the static depths and SGLang's own adaptive rule, side by side.
    The in-process replay of the served policy must pick exactly the served decisions (parity).
-4. The recorded trace, summarized — the input ``controller train --traces`` retrains on.
+4. The recorded trace, summarized — the input ``controller train --traces`` retrains on. Each
+   run records into a fresh folder of its own, ``RECORD/<date>-<time>-<pid>/``, so the summary
+   is this run's alone.
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from controller.errors import ConfigError
+from controller.protocol import DEFAULT_DEPTHS as DEPTHS
 
-BUNDLED = Path(__file__).resolve().parent.parent / "agents" / "bundled"
-DEPTHS = (0, 1, 2, 3, 5)
+if TYPE_CHECKING:  # the handler imports them: `controller --help` stays light
+    import numpy as np
+
+    from env.params import SimParams
+    from sglang_hook.client import ControllerClient
+
+BUNDLED = Path(__file__).resolve().parent / "bundled"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -56,7 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--seed", type=int, default=0, help="simulation seed (default: %(default)s)")
     p.add_argument(
-        "--record", default="runs/demo", help="folder for the controller's trace (default: %(default)s)"
+        "--record",
+        default="runs/demo",
+        help="each run records its trace into a fresh subfolder RECORD/<date>-<time>-<pid>/ "
+        "(default RECORD: %(default)s)",
     )
     p.set_defaults(func=_cmd_demo)
 
@@ -64,20 +75,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def _cmd_demo(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from controller.client import ControllerClient
-    from controller.policy import make_factory
     from controller.protocol import Hello
+    from controller.registry import make_factory
     from controller.traces import summarize
     from env.deployments import load_deployment
-    from env.engine import Engine
     from env.runner import simulate
+    from sglang_hook.client import ControllerClient
 
     bundled = BUNDLED / args.deployment / "ppo.zip"
     spec = args.policy or str(bundled)
     factory = make_factory(spec, DEPTHS)  # fail here, with the CLI's one-line error, not in the server
     params = load_deployment(args.deployment)
-    record_dir = Path(args.record)
-    record_dir.mkdir(parents=True, exist_ok=True)
+    record_dir = _run_folder(Path(args.record))
 
     print(f"== 1. serving {spec} (a real `controller serve` process), recording to {record_dir}/")
     tmp = tempfile.mkdtemp(prefix="specdepth-demo-")
@@ -102,7 +111,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     instance = f"demo-{args.deployment}-{os.getpid()}"
     client = ControllerClient(endpoint, Hello(instance, DEPTHS, "sim", args.deployment, 1), stale_ms=60_000)
     try:
-        served = _drive(client, server, params, args, Engine)
+        served = _drive(client, server, params, args)
     finally:
         client.close()
         server.terminate()
@@ -170,27 +179,55 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def _drive(client, server, params, args, engine_cls):  # type: ignore[no-untyped-def]
-    """Run the simulated replica against the served policy; return the per-step trace."""
+def _run_folder(parent: Path) -> Path:
+    """A new, empty folder for this run's trace under ``parent`` (created)."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for n in range(1000):
+        folder = parent / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the demo's record folder {str(folder)!r}: {exc.strerror or exc}"
+            ) from None
+        return folder
+    raise ConfigError(f"no free run folder under {str(parent)!r}")
+
+
+def _drive(
+    client: ControllerClient, server: subprocess.Popen[str], params: SimParams, args: argparse.Namespace
+) -> tuple[np.ndarray, ...]:
+    """Run the simulated replica against the served policy; return the per-step trace.
+
+    The simulation loop is :class:`env.runner.DecodeLoop`, as in ``simulate``, with the served
+    controller deciding: each record goes to it through the hook's client, and the depth it
+    answers runs one step later (``action_delay=1``).
+    """
     import numpy as np
 
-    engine = engine_cls(params, args.workload)
+    from env.engine import Engine
+    from env.runner import DecodeLoop
+
+    engine = Engine(params, args.workload)
     engine.reset(args.seed)
-    pending: deque[int] = deque([DEPTHS[0]])  # one step of delay, as in simulate(action_delay=1)
+    loop = DecodeLoop(engine, DEPTHS, action_delay=1, observe=False)
     t_s, bs, wait, depth_l, tok = [], [], [], [], []
     limit_us = int(args.duration_s * 1e6)
     deadline = time.monotonic() + 60.0  # the server imports torch to load a zip: give it time
     t0 = time.monotonic()
+    action: int | None = None  # None: no record yet
     while not engine.done and engine.now_us < limit_us:
-        depth = pending.popleft()
-        rec = engine.step(depth)
+        rec, _ = loop.start() if action is None else loop.advance(action)
         rec.instance = client.instance
         want = client.counters["decisions"] + 1
         client.send_step(rec)
         resent = time.monotonic()
         while client.counters["decisions"] < want:
             if server.poll() is not None:
-                raise ConfigError(f"controller serve exited: {server.stderr.read().strip()[-500:]}")
+                err = server.stderr.read() if server.stderr is not None else ""
+                raise ConfigError(f"controller serve exited: {err.strip()[-500:]}")
             if time.monotonic() > deadline:
                 raise ConfigError("no decision from the controller within 60 s")
             client.poll_decision()
@@ -202,11 +239,11 @@ def _drive(client, server, params, args, engine_cls):  # type: ignore[no-untyped
                     client.send_step(rec)
                     resent = time.monotonic()
         deadline = time.monotonic() + 10.0
-        pending.append(client.depth if client.depth is not None else DEPTHS[0])
+        action = DEPTHS.index(client.depth) if client.depth is not None else 0
         t_s.append(engine.now_us / 1e6)
         bs.append(rec.bs)
         wait.append(rec.waiting)
-        depth_l.append(depth)
+        depth_l.append(loop.depth)
         tok.append(rec.tokens)
     wall = time.monotonic() - t0
     print(

@@ -1,14 +1,14 @@
-"""The baseline policies the learned controller must beat, behind the one Policy interface.
+"""The builtin policies: the baselines the learned controller must beat, behind the one Policy interface.
 
 Every baseline sees only what a live controller sees — the Featurizer's observation and the
 step record it came from — so each runs unchanged in the simulator and under
-``controller serve --policy builtin:NAME``. Importing this module registers them all with
-:func:`controller.policy.register_builtin` and needs only numpy and ``controller``.
+``controller serve --policy builtin:NAME`` (:mod:`controller.registry` names them). This
+module needs only numpy and the shared base.
 
 =====================  ======================================================================
 builtin name           rule
 =====================  ======================================================================
-``static:K``           always depth K (in ``controller.policy``)
+``static:K``           always depth K
 ``vllm-dsd``           vLLM Dynamic SD's batch-size table (Llama-3.1-8B EAGLE-3 example):
                        k=5 for bs 1–16, 4 for 17–32, 3 for 33–64, 1 for 65–128, 0 above
 ``trtllm-schedule``    TensorRT-LLM ``draft_len_schedule`` {4: 4, 8: 2, 32: 1}, else 0
@@ -18,7 +18,8 @@ builtin name           rule
                        tokens/s; step cost from a fitted latency model when given (the
                        simulator), else the Featurizer's measured latency table
 ``bandit``             discounted UCB over depths per batch-size bucket, reward = tokens/s
-``oracle``             clairvoyant per-step best — simulator only (``agents.oracle``)
+``oracle``             clairvoyant per-step best — simulator only (``agents.oracle``; the
+                       registry refuses to serve it)
 =====================  ======================================================================
 
 Table baselines map a table depth k to the largest allowed depth ≤ k (the smallest allowed
@@ -34,8 +35,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from controller.errors import PolicyLoadError
-from controller.features import Featurizer, bs_bucket
-from controller.policy import Policy, register_builtin
+from controller.features import N_BS_BUCKETS, Featurizer, bs_bucket
+from controller.policy import Policy
 from controller.protocol import Step
 
 # A fitted step-cost model: (depth, bs, ctx_tokens) -> µs per decode step.
@@ -46,6 +47,37 @@ def nearest_allowed_at_most(k: int, depths: Sequence[int]) -> int:
     """Index of the largest allowed depth ≤ k, or of the smallest allowed depth if none is."""
     i = bisect.bisect_right(list(depths), k) - 1
     return max(i, 0)
+
+
+# --------------------------------------------------------------------------- static
+
+
+class StaticPolicy:
+    """Always the same depth: ``static:K``. Depth 0 means no speculation."""
+
+    def __init__(self, depth: int, depths: tuple[int, ...]) -> None:
+        if depth not in depths:
+            raise PolicyLoadError(
+                f"static:{depth}: depth {depth} is not one of the allowed depths {list(depths)}"
+            )
+        self.name = f"static:{depth}"
+        self._action = depths.index(depth)
+
+    def reset(self) -> None:
+        pass
+
+    def act(self, obs: np.ndarray, step: Step) -> int:
+        return self._action
+
+
+def make_static(name: str, depths: tuple[int, ...]) -> Policy:
+    """``static:K`` (``name`` holds K after the colon)."""
+    arg = name.split(":", 1)[1]
+    try:
+        depth = int(arg)
+    except ValueError:
+        raise PolicyLoadError(f"builtin:{name}: the depth must be an integer") from None
+    return StaticPolicy(depth, depths)
 
 
 # --------------------------------------------------------------------------- table rules
@@ -242,8 +274,8 @@ def make_sglang_adaptive(name: str, depths: tuple[int, ...]) -> Policy:
 class GoodputPolicy:
     """SmartSpec-style goodput maximiser: argmax over depths of expected tokens per second.
 
-    Expected tokens per request at depth k come from the Featurizer's per-position conditional
-    acceptance (``p_accept_i`` in the observation): 1 + Σ_{i≤k} Π_{j≤i} p_j. The step cost
+    Expected tokens per request at depth k are the Featurizer's estimate, 1 + Σ_{i≤k} Π_{j≤i} p_j
+    over its per-position conditional acceptance (``tokens_k`` in the observation). The step cost
     comes from ``latency_fn(depth, bs, ctx_tokens)`` (a fitted model, µs) when given; without
     one (``controller serve`` with no sim), from the Featurizer's measured latency table
     (``lat_ratio_k``), probing, every ``probe_every`` steps, a depth whose cost in this
@@ -273,9 +305,8 @@ class GoodputPolicy:
         self.probe_every = probe_every
         self.probe_zero_every = probe_zero_every
         names = Featurizer(depths).feature_names
-        self._p_idx = [names.index(f"p_accept_{i}") for i in range(1, depths[-1] + 1)]
+        self._tokens_idx = [names.index(f"tokens_{d}") for d in depths]
         self._gp_idx = [names.index(f"goodput_{d}") for d in depths]
-        self._stale_idx = [names.index(f"lat_stale_{d}") for d in depths]
         self.reset()
 
     def reset(self) -> None:
@@ -285,13 +316,9 @@ class GoodputPolicy:
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, action) -> last step measured
 
     def expected_tokens(self, obs: np.ndarray) -> list[float]:
-        """Expected tokens per request-step at each allowed depth, from the observation."""
-        cum, run, out = 1.0, 1.0, {0: 1.0}
-        for i, j in enumerate(self._p_idx, start=1):
-            run *= float(obs[j])
-            cum += run
-            out[i] = cum
-        return [out[d] for d in self.depths]
+        """Expected tokens per request-step at each allowed depth: the observation's
+        ``tokens_k``, which the Featurizer reports divided by k + 1."""
+        return [float(obs[j]) * (d + 1) for j, d in zip(self._tokens_idx, self.depths)]
 
     def act(self, obs: np.ndarray, step: Step) -> int:
         self._t += 1
@@ -358,8 +385,6 @@ class BanditPolicy:
         self.reset()
 
     def reset(self) -> None:
-        from controller.features import N_BS_BUCKETS
-
         n = len(self.depths)
         self._n = np.zeros((N_BS_BUCKETS, n))
         self._sum = np.zeros((N_BS_BUCKETS, n))
@@ -386,21 +411,8 @@ def make_bandit(name: str, depths: tuple[int, ...]) -> Policy:
     return BanditPolicy(name, depths)
 
 
-def _make_oracle(name: str, depths: tuple[int, ...]) -> Policy:
-    raise PolicyLoadError(
-        "builtin:oracle is clairvoyant (it reads the simulator's true rates): simulator only"
-    )
-
-
 # The non-static baselines, in report order; static:K are added per allowed depth.
 BASELINES: tuple[str, ...] = ("vllm-dsd", "trtllm-schedule", "sglang-adaptive", "goodput", "bandit")
-
-register_builtin("vllm-dsd", make_vllm_dsd)
-register_builtin("trtllm-schedule", make_trtllm)
-register_builtin("sglang-adaptive", make_sglang_adaptive)
-register_builtin("goodput", make_goodput)
-register_builtin("bandit", make_bandit)
-register_builtin("oracle", _make_oracle)
 
 
 __all__ = [
@@ -409,6 +421,7 @@ __all__ = [
     "GoodputPolicy",
     "LatencyFn",
     "SGLangAdaptivePolicy",
+    "StaticPolicy",
     "TablePolicy",
     "nearest_allowed_at_most",
 ]
