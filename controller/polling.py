@@ -3,7 +3,7 @@
 A serving thread that sleeps in ``recv`` between decode steps (one per ~7 ms per instance) wakes
 on a cold core: on the lent GPU hosts serve's own path then took ~4x its hot time (decide
 30.5 µs against 7.8, message -> decision 112 µs against 37 with a thread that never sleeps;
-``bench/results/h200/README.md`` §5g). Never sleeping costs a core while steps flow. Each
+a probe on the GPU host, in git history under ``bench/results/h200/call29/``). Never sleeping costs a core while steps flow. Each
 instance's steps come at a cadence, though, so the server can predict when the next record of
 each one is due and poll without sleeping only around that moment, as Linux's hybrid polling of
 block devices does for I/O completions. Polling alone wakes the core but not what the path

@@ -100,8 +100,8 @@ def test_demo_runs_from_the_installed_wheel(installed: Path, tmp_path: Path) -> 
     # Every project module the demo and the server import resolves inside the install.
     probe = (
         "import json, sys\n"
-        "import controller.cli, controller.demo, controller.service, controller.ppo_policy\n"
-        "import env.deployments, env.runner, agents.baselines, sglang_hook.plugin\n"
+        "import controller.cli, agents.demo, controller.service, controller.ppo_policy\n"
+        "import env.deployments, env.runner, controller.baselines, sglang_hook.plugin, sglang_hook.off_switch\n"
         "mods = {n: m.__file__ for n, m in sys.modules.items()\n"
         f"        if n.split('.')[0] in {PACKAGES!r} and getattr(m, '__file__', None)}}\n"
         "print(json.dumps(mods))\n"
