@@ -53,6 +53,7 @@ from sglang_hook.config import (
     parse_stale_ms,
     parse_tick_ms,
 )
+from sglang_hook.off_switch import ENV_OFF_DRAFT, ENV_OFF_PATH, OffConfig
 
 PROG = "sglang_hook.launch_server"
 PLUGIN_NAME = "spec_controller"
@@ -64,6 +65,8 @@ OWN_FLAGS = (
     "--spec-stale-ms",
     "--spec-instance",
     "--spec-client-thread",
+    "--spec-off-path",
+    "--spec-off-draft",
 )
 
 
@@ -79,6 +82,7 @@ class Plan:
     sglang_argv: list[str]
     speculative: bool
     adaptive_config: dict[str, dict[str, list[int]]] | None
+    off: OffConfig = OffConfig()
 
 
 def split_argv(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -144,6 +148,13 @@ def plan(argv: Sequence[str], config_path: str) -> Plan:
         # A tuning knob without a flag: checked here so a bad value stops the launch, not the hook.
         client_tick_ms=parse_tick_ms(os.environ.get(ENV_CLIENT_TICK_MS, str(DEFAULT_CLIENT_TICK_MS))),
     )
+    try:
+        off = OffConfig.from_env(
+            {ENV_OFF_PATH: own.get("--spec-off-path", "plain"), ENV_OFF_DRAFT: own.get("--spec-off-draft", "keep")}
+        )
+    except ValueError as exc:
+        msg = str(exc).replace(ENV_OFF_PATH, "--spec-off-path").replace(ENV_OFF_DRAFT, "--spec-off-draft")
+        raise ConfigError(msg) from None
     if _has_flag(rest, "--enable-dp-attention"):
         raise Refused(
             "--enable-dp-attention is not supported: SGLang's adaptive mode does not synchronise "
@@ -157,7 +168,7 @@ def plan(argv: Sequence[str], config_path: str) -> Plan:
     if algo is None:
         if _has_flag(rest, "--speculative-adaptive") or _has_flag(rest, "--speculative-adaptive-config"):
             raise Refused("--speculative-adaptive needs --speculative-algorithm EAGLE or EAGLE3")
-        return Plan(config, rest, speculative=False, adaptive_config=None)
+        return Plan(config, rest, speculative=False, adaptive_config=None, off=off)
 
     if algo.upper() not in ("EAGLE", "EAGLE3"):
         raise Refused(f"--speculative-algorithm {algo}: SGLang's adaptive mode serves only EAGLE and EAGLE3")
@@ -179,15 +190,17 @@ def plan(argv: Sequence[str], config_path: str) -> Plan:
     if topk is None:
         extra += ["--speculative-eagle-topk", "1"]
     if steps is None:
-        # SGLang's own default start (the middle candidate), stated explicitly because 0.5.17
-        # would otherwise auto-pick a depth that need not be one of ours.
-        start = config.depths[len(config.depths) // 2]
+        # Start at the deepest depth: SGLang 0.5.17 sizes a logits buffer shared by every depth's
+        # CUDA graphs from the starting depth, so a deeper depth's graphs fail to capture
+        # ("shared logits buffer holds 32 rows but caller needs 64"). Stated explicitly because
+        # 0.5.17 would otherwise auto-pick a depth that need not be one of ours.
+        start = config.depths[-1]
         extra += ["--speculative-num-steps", str(start)]
         if not _has_flag(rest, "--speculative-num-draft-tokens"):
             extra += ["--speculative-num-draft-tokens", str(start + 1)]
     # One integer key routes every batch size to the same candidate list.
     adaptive = {"1": {"candidate_steps": list(config.depths)}}
-    return Plan(config, rest + extra, speculative=True, adaptive_config=adaptive)
+    return Plan(config, rest + extra, speculative=True, adaptive_config=adaptive, off=off)
 
 
 def _refuse_instead_of_disabling() -> None:
@@ -208,7 +221,8 @@ def _refuse_instead_of_disabling() -> None:
 
 HELP = f"""usage: python -m {PROG} --spec-controller ENDPOINT [--spec-depths LIST]
        [--spec-fallback sglang|K] [--spec-stale-ms MS] [--spec-instance NAME]
-       [--spec-client-thread auto|on|off] <sglang args>
+       [--spec-client-thread auto|on|off] [--spec-off-path plain|sglang]
+       [--spec-off-draft keep|skip] <sglang args>
 
 SGLang's server with the speculation controller's hook wired in: after every decode step the
 entry rank streams a step record to the controller and applies the draft depth it answers at
@@ -231,6 +245,14 @@ hook options (everything else goes to sglang.launch_server unchanged):
                               scheduler thread sends and drains itself; auto (default): on
                               when SGLang speculates and the scheduler has 4 or more CPUs
                               (see docs/hook.md "Cost")
+  --spec-off-path plain|sglang
+                              what depth 0 runs: plain (default) = the target's plain decode
+                              with decode CUDA graphs (the off switch); sglang = SGLang's own
+                              depth 0, a one-token verify (0.40x a plain server's throughput
+                              at 64-128 requests on the H200)
+  --spec-off-draft keep|skip  at depth 0, keep (default) the drafter's one-token extend so
+                              drafting resumes on a current drafter, or skip it: faster, but
+                              the drafter misses the positions decoded while off
 
 With --speculative-algorithm EAGLE/EAGLE3 the launcher adds --speculative-adaptive and a
 generated --speculative-adaptive-config listing the depths, and refuses (exit 2) what SGLang's
@@ -258,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(p.adaptive_config, f)
 
     os.environ.update(p.config.to_env())
+    os.environ.update(p.off.to_env())
     plugins = os.environ.get("SGLANG_PLUGINS", "")
     if plugins and PLUGIN_NAME not in {x.strip() for x in plugins.split(",")}:
         os.environ["SGLANG_PLUGINS"] = f"{plugins},{PLUGIN_NAME}"

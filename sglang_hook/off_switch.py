@@ -112,6 +112,10 @@ class OffConfig:
             raise ValueError(f"{ENV_OFF_DRAFT}={draft!r}: expected keep or skip")
         return cls(plain=path == "plain", keep_draft=draft == "keep")
 
+    def to_env(self) -> dict[str, str]:
+        """The variables :meth:`from_env` reads back (the launcher hands them to the schedulers)."""
+        return {ENV_OFF_PATH: "plain" if self.plain else "sglang", ENV_OFF_DRAFT: "keep" if self.keep_draft else "skip"}
+
 
 def plain_runner_class(base: type) -> type:
     """SGLang's decode graph runner ``base``, captured in DECODE mode inside a speculative server.

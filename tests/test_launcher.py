@@ -80,3 +80,32 @@ def test_auto_client_thread_only_where_speculation_runs_on_enough_cpus() -> None
     assert not auto_client_thread(True, AUTO_THREAD_MIN_CPUS - 1)
     assert not auto_client_thread(False, 64)
     assert 0 < usable_cpus() <= (os.cpu_count() or 1)
+
+
+def test_off_switch_flags_reach_the_schedulers_environment(tmp_path) -> None:
+    from controller.errors import ConfigError
+    from sglang_hook.launch_server import plan
+    from sglang_hook.off_switch import OffConfig
+
+    base = ["--spec-controller", "ipc:///tmp/x.sock", "--model-path", "/m"]
+    assert plan(base, str(tmp_path / "a.json")).off == OffConfig(plain=True, keep_draft=True)
+    p = plan([*base, "--spec-off-path", "sglang", "--spec-off-draft=skip"], str(tmp_path / "b.json"))
+    assert p.off == OffConfig(plain=False, keep_draft=False)
+    assert OffConfig.from_env(p.off.to_env()) == p.off
+    for bad in (["--spec-off-path", "fast"], ["--spec-off-draft", "maybe"]):
+        try:
+            plan([*base, *bad], str(tmp_path / "c.json"))
+        except ConfigError as exc:
+            assert bad[0] in str(exc)
+        else:
+            raise AssertionError(f"{bad} accepted")
+
+
+def test_speculation_starts_at_the_deepest_depth(tmp_path) -> None:
+    from sglang_hook.launch_server import plan
+
+    argv = ["--spec-controller", "ipc:///tmp/x.sock", "--spec-depths", "0,1,3,5", "--model-path", "/m",
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"]  # fmt: skip
+    sglang = plan(argv, str(tmp_path / "a.json")).sglang_argv
+    assert sglang[sglang.index("--speculative-num-steps") + 1] == "5"
+    assert sglang[sglang.index("--speculative-num-draft-tokens") + 1] == "6"

@@ -12,8 +12,8 @@ Servers (``--servers``):
   off        EAGLE-3 through ``sglang_hook.launch_server``, held at depth 0 by the hook's fixed
              fallback (no controller process), depth 0 as a plain decode (the off switch,
              ``sglang_hook/off_switch.py``), the drafter's extend kept.
-  off-skip   the same, the drafter's extend skipped at depth 0 (``SPECDEPTH_OFF_DRAFT=skip``).
-  legacy     the same server with SGLang's own depth 0 (``SPECDEPTH_OFF_PATH=sglang``): a verify.
+  off-skip   the same, the drafter's extend skipped at depth 0 (``--spec-off-draft skip``).
+  legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
 
 Every request is greedy with random token-id prompts; requests with the same (repetition,
 concurrency, index) are the same on every server, so outputs are compared token for token.
@@ -40,7 +40,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +61,15 @@ class Kind:
 
     policy: str
     speculative: bool
-    env: dict[str, str] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()  # the launcher's --spec-off-* flags
 
 
 KINDS = {
     "plain": Kind("plain", False),
     "plain2": Kind("plain-control", False),  # a second plain server: the noise floor of every ratio
-    "off": Kind("static:0", True, {"SPECDEPTH_OFF_PATH": "plain", "SPECDEPTH_OFF_DRAFT": "keep"}),
-    "off-skip": Kind("static:0-skip", True, {"SPECDEPTH_OFF_PATH": "plain", "SPECDEPTH_OFF_DRAFT": "skip"}),
-    "legacy": Kind("static:0-sglang", True, {"SPECDEPTH_OFF_PATH": "sglang"}),
+    "off": Kind("static:0", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
+    "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
+    "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
 }
 
 
@@ -95,7 +95,7 @@ class Server(run.Server):
             return [sys.executable, "-m", "sglang.launch_server", *common]
         hook = ["--spec-controller", f"ipc:///tmp/specdepth-off-{self.spec.label}.sock",
                 "--spec-depths", ",".join(map(str, DEPTHS)), "--spec-fallback", "0",
-                "--spec-stale-ms", "200", "--spec-instance", f"h200-{self.spec.label}"]  # fmt: skip
+                "--spec-stale-ms", "200", "--spec-instance", f"h200-{self.spec.label}", *self.kind.flags]  # fmt: skip
         spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(run.MODELS / "draft_rand"),
                 "--speculative-num-steps", str(max(DEPTHS)), "--speculative-eagle-topk", "1",
                 "--speculative-num-draft-tokens", str(max(DEPTHS) + 1)]  # fmt: skip
@@ -360,9 +360,7 @@ def main() -> int:
             return 1
         for i, label in enumerate(args.servers.split(",")):
             server = Server(label, KINDS[label], 31000 + i, args)
-            env = run._env()
-            env.update(server.kind.env)
-            server.start(env)
+            server.start(run._env())
             servers.append(server)
             time.sleep(3.0)  # staggered: each measures free memory after the last one's weights
         ready = {}
