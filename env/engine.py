@@ -148,7 +148,7 @@ class Engine:
         self._lat_c = step_coeffs(p.latency)
         self._consts = np.concatenate(
             [
-                [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6],
+                [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6, ap.ctx_ref_tokens, ap.ctx_logit],
                 self._base,
                 stale_table,
             ]
@@ -165,7 +165,7 @@ class Engine:
         )
         # Hot-path constants (Python floats/lists index faster than numpy scalars).
         self._instance = p.engine.instance
-        self._kv_budget = p.engine.kv_budget_tokens
+        self._kv_budget = p.engine.spec_kv_budget_tokens  # the drafter's weights and KV carried
         self._drift_on = p.acceptance.drift_sd > 0.0
         self.completed: list[RequestStats] = []
         self.tokens_emitted = 0
@@ -200,7 +200,7 @@ class Engine:
             return 0
         e = self.params.engine
         ap = self.params.acceptance
-        budget = e.kv_budget_tokens
+        budget = self._kv_budget
         chunk = e.chunked_prefill_tokens
         prefilled = 0
         while self.waiting and self.n < self._cap:
@@ -369,7 +369,12 @@ class Engine:
         rem = self.rem[:n].astype(np.float64)
         if depth == 0:
             return float(np.minimum(1.0, rem).sum())
-        logits = self._base[:depth] + (self.xoff[:n] + self.drift)[:, None]
+        x = self.xoff[:n] + self.drift
+        ap = self.params.acceptance
+        if ap.ctx_logit > 0.0:
+            seq_len = self.S[:n, PROMPT] + self.S[:n, OUT] - rem
+            x = x - ap.ctx_logit * np.log(np.maximum(seq_len / ap.ctx_ref_tokens, 1.0))
+        logits = self._base[:depth] + x[:, None]
         reach = np.cumprod(1.0 / (1.0 + np.exp(-logits)), axis=1)  # P(accept >= j), j = 1..depth
         j = np.arange(1, depth + 1)
         reach = np.where(j[None, :] <= (rem - 1.0)[:, None], reach, 0.0)
@@ -425,6 +430,7 @@ def _decode(
 
     Args:
         consts: the stale penalty's decay per drafting step, ``1/decay - 1``, the drift's sd and time constant (µs),
+            the context fall's reference length (tokens) and logit per e-fold beyond it,
             the acceptance logit of each of the ``_MAX_POS`` draft positions, and the stale
             penalty after k steps without drafting (k = 0, 1, ...; none: no stale penalty).
         ints, floats: per request ``(rem, zs)`` and ``(xoff, pen, U .. OUT)``: remaining
@@ -443,15 +449,20 @@ def _decode(
         how many requests have no token left.
     """
     rem, zs, xoff, pen = ints[0], ints[1], floats[0], floats[1]
-    o_base = 4
+    o_base = 6
     o_stale = o_base + _MAX_POS
     busy = max(1, int(model_us * math.exp(lat_eps)))
     tokens = n
     if depth > 0:
+        ctx_ref, ctx_logit = consts[4], consts[5]
         for j in range(n):
             # Positions 1..a accepted, a + 1 rejected: logistic noise minus the position's
             # logit (left to right, as Generator.logistic computes it) against the offset.
             x = xoff[j] + drift
+            if ctx_logit > 0.0:  # the drafter tracks long sequences worse
+                seq_len = floats[2 + PROMPT, j] + floats[2 + OUT, j] - rem[j]
+                if seq_len > ctx_ref:
+                    x -= ctx_logit * math.log(seq_len / ctx_ref)
             a = 0
             while a < depth:
                 u = noise[i0 + j, a]
