@@ -153,6 +153,11 @@ class Engine:
                 stale_table,
             ]
         )
+        e = p.engine
+        self._req_lat_us = int(e.request_latency_us)
+        self._req_serial_us = int(e.request_serial_us)
+        self._ingress_on = self._req_lat_us > 0 or self._req_serial_us > 0
+        self._ingress_us = -(10**18)  # when the request path last let a request through
         self.ctx_sum = 0  # Σ sequence lengths of the running requests
         self.n = 0
         self.waiting: deque[tuple[int, int, int, float, int]] = deque()
@@ -185,14 +190,26 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
 
+    def _next_ready(self) -> int | None:
+        """When the next arriving request reaches the scheduler (None: no request left).
+
+        A request passes the server's request path first (HTTP, tokenizer; ``EngineParams``
+        ``request_latency_us`` each, ``request_serial_us`` apart: one tokenizer process), so
+        it joins the waiting queue then; its arrival time (for TTFT) stays the client's."""
+        t = self.arrivals.peek()
+        if t is None or not self._ingress_on:
+            return t
+        return max(t + self._req_lat_us, self._ingress_us + self._req_serial_us)
+
     def _pull_arrivals(self) -> None:
         arr = self.arrivals
-        t = arr.peek()
-        while t is not None and t <= self.now_us:
+        r = self._next_ready()
+        while r is not None and r <= self.now_us:
             t_us, prompt, out, shift = arr.pop()
+            self._ingress_us = r
             self.waiting.append((t_us, prompt, out, shift, self.next_rid))
             self.next_rid += 1
-            t = arr.peek()
+            r = self._next_ready()
 
     def _admit(self) -> int:
         """Move waiting requests into the batch; returns prompt tokens prefilled."""
@@ -202,6 +219,7 @@ class Engine:
         ap = self.params.acceptance
         budget = self._kv_budget
         chunk = e.chunked_prefill_tokens
+        hit = e.prefix_cache_hit
         prefilled = 0
         while self.waiting and self.n < self._cap:
             t_us, prompt, out, shift, rid = self.waiting[0]
@@ -214,7 +232,9 @@ class Engine:
                     self.rejected += 1
                     continue
                 break
-            if prefilled > 0 and prefilled + prompt > chunk:
+            # The part of the prompt found in the radix cache is not prefilled (still in the KV).
+            uncached = prompt - int(prompt * hit)
+            if prefilled > 0 and prefilled + uncached > chunk:
                 break
             self.waiting.popleft()
             if self._rng_acc.random() < ap.p_zero:
@@ -225,7 +245,7 @@ class Engine:
             self.ctx_sum += prompt
             self.n += 1
             self.kv_reserved += need
-            prefilled += prompt
+            prefilled += uncached
         return prefilled
 
     # ------------------------------------------------------------------ stepping
@@ -250,14 +270,14 @@ class Engine:
                 f"depth must be in 0..{_MAX_POS} (the acceptance model's positions), got {depth}"
             )
         n_before = self.n
-        t_next = self.arrivals.peek()
+        t_next = self._next_ready()
         if self.waiting or (t_next is not None and t_next <= self.now_us):
             self._pull_arrivals()
             prefill = self._admit()
         else:
             prefill = 0
         while self.n == 0:
-            t_next = self.arrivals.peek()
+            t_next = self._next_ready()
             if t_next is None:
                 raise SimulationDone("the workload has no request left; check Engine.done before step()")
             self.now_us = max(self.now_us, t_next)

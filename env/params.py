@@ -35,6 +35,13 @@ class EngineParams:
     ``bench/results/realgpu/offswitch/README.md``), so it holds fewer tokens:
     :attr:`spec_kv_budget_tokens`, which the engine admits against. Zero drafter bytes: a
     deployment without a drafter.
+
+    ``prefix_cache_hit``: the fraction of each prompt SGLang's radix cache already holds (not
+    prefilled, still cached context); a benchmark that warms its prompts first runs near 1.
+    ``request_latency_us`` / ``request_serial_us``: the server's request path before the
+    scheduler (HTTP, tokenizer): each request reaches the waiting queue that long after it was
+    sent, and at most one per ``request_serial_us`` (0, 0: at once, as before). The hook never
+    sees it; the client's TTFT does.
     """
 
     max_running_requests: int = 256
@@ -44,6 +51,9 @@ class EngineParams:
     kv_bytes_per_token: float = 131072.0
     draft_kv_bytes_per_token: float = 0.0
     draft_weight_bytes: float = 0.0
+    prefix_cache_hit: float = 0.0
+    request_latency_us: int = 0
+    request_serial_us: int = 0
 
     @property
     def spec_kv_budget_tokens(self) -> int:
