@@ -289,7 +289,7 @@ def _fit_engine(steps: list[Step], base: EngineParams, report: FitReport) -> Eng
 
 
 def fit_sim(
-    traces_dir: str | None, profiles: list[str], base: SimParams | None = None
+    traces_dir: str | None, profiles: list[str], base: SimParams | None = None, off_path: str | None = None
 ) -> tuple[SimParams, FitReport]:
     """Fit a simulator to a trace folder and/or latency-profile CSVs.
 
@@ -298,6 +298,9 @@ def fit_sim(
         profiles: profile CSVs in the format of ``reference/h200_llama8b/latency.csv``.
         base: parameters for what the data cannot identify (default: the bundled
             ``h200-llama8b`` deployment when it can be loaded, else the built-in defaults).
+        off_path: how the traced server ran depth 0 (``"plain"``: the off switch;
+            ``"verify"``: SGLang's own width-1 verify, whose extra cost the traces then fit);
+            None keeps the base's.
 
     Returns:
         The fitted :class:`SimParams` and a printable :class:`FitReport`.
@@ -319,7 +322,7 @@ def fit_sim(
         except Exception:  # noqa: BLE001 — the bundled file is optional here; defaults are documented
             base = SimParams(acceptance=calibrate_to_conditionals([0.73, 0.71, 0.68]))
     report = FitReport(profiles=list(profiles), traces=traces_dir)
-    lp = base.latency
+    lp = base.latency if off_path is None else replace(base.latency, off_path=off_path)
 
     if profiles:
         frames = [read_profile(p) for p in profiles]
@@ -350,9 +353,8 @@ def fit_sim(
         lp = fit_step_latency(lp, all_steps, overheads_only=pinned)
         report.step_mape_fit = step_mape(lp, all_steps)
         report.fitted.append(
-            "latency per-step overheads (traces)"
-            if pinned
-            else "latency overheads and cost-class scales (traces)"
+            ("latency per-step overheads (traces)" if pinned else "latency overheads and cost-class scales (traces)")
+            + ("; SGLang's depth-0 verify cost v0_fix_us, v0_seq_us" if lp.off_path == "verify" else "")
         )
 
         counts_fit, counts_hold = accept_counts(fit_steps, ap), accept_counts(hold_steps, ap)
@@ -370,7 +372,7 @@ def fit_sim(
                 report.accept_tv_holdout = _tv(ap_ho, counts_hold)
             ap, _ = fit_acceptance(counts_all, ap, step_weighted=True)
             report.accept_tv_fit = _tv(ap, counts_all)
-            report.fitted.append("acceptance alpha, beta, sigma (ML over accept lists)")
+            report.fitted.append("acceptance alpha, beta, sigma, p_zero (ML over accept lists)")
         wp = _fit_workload(all_steps, wp, report)
         ep = _fit_engine(all_steps, ep, report)
     params = replace(
