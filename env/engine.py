@@ -3,9 +3,11 @@
 Steppable and discrete-event with an integer µs clock. One :meth:`Engine.step` call advances
 to the next decode step and runs it at the depth given:
 
-1. arrivals up to now join the waiting queue (FIFO);
+1. arrivals up to now join the waiting queue (FIFO), once through the server's request path
+   (``EngineParams.request_latency_us``/``request_serial_us``; none by default);
 2. admission: waiting requests join the running batch while there is room under
-   ``max_running_requests`` and the KV budget, up to ``chunked_prefill_tokens`` of prompt per
+   ``max_running_requests`` and the KV budget (``spec_kv_budget_tokens``: the drafter's
+   weights and KV carried), up to ``chunked_prefill_tokens`` of uncached prompt per
    step (at least one request); each reserves ``prompt + output`` KV tokens (the output length
    is the request's ``max_new_tokens``, which the server knows — benchmark clients fix it),
    so the pool can never overflow. Their prompts are prefilled before the decode and the

@@ -6,7 +6,7 @@
 - ``h200-llama8b-longctx``: the same GPU and model serving 8k-32k-token prompts; the KV pool
   binds (about 45 such requests fit).
 - ``h200-70b``: a Llama-3.1-70B-shaped target (FP8) on the H200, derived from the 8B fit by
-  roofline scaling (compute-bound from a smaller batch, 160k tokens of KV).
+  roofline scaling (FP8 weights, 320 KB of KV per token, a pool of 155k tokens).
 - ``seed``: the seed document's SGLang v0.5.9 EAGLE-3 deployment, calibrated so that the
   closed-loop benchmark reproduces ``reference/seed_benchmark.md`` (see docs/simulator.md).
 
