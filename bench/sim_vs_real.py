@@ -19,10 +19,11 @@ one H200, recorded by the hook; how they were made: ``bench/results/h200/README.
    less the simulator's; ``request_serial_us``: the one tokenizer's time per request, from the
    TTFT at C = 64);
 3. twice: with the level's one fitted acceptance (``one``), and with acceptance refitted on the
-   records of that C's batch sizes (``per C``): the benchmark drew a new prompt set per C, and
-   with a drafter whose acceptance is set per prompt (``noisy``) the 12 prompts of C = 1
-   accepted far less than the 384 of C = 64. That is the workload, which the simulator is told
-   (as a trace-replay would be), not its physics.
+   records of that C's batch sizes in that device call's traces (``per C``): each call drew its
+   own prompts, a new set per C, and with a drafter whose acceptance is set per prompt
+   (``noisy``) the 12 prompts of C = 1 in call 6 accepted a quarter of what call 1's did, and
+   far less than the 384 of C = 64. That is the workload, which the simulator is told (as a
+   trace replay would be), not its physics.
 
 Prints the tables for docs/simulator.md and writes ``sim_vs_real.json`` (and each level's
 ``sim_<level>.json``) under ``--out``.
@@ -75,7 +76,7 @@ def policy_factory(name: str):
     return lambda: factory(DEPTHS)
 
 
-def fit_level(level: str, out: Path) -> tuple[Any, dict[int, Any], Any]:
+def fit_level(level: str, out: Path) -> tuple[Any, dict[tuple[str, int], Any], Any]:
     from env.acceptance import fit_acceptance
     from env.deployments import load_deployment
     from env.fit import accept_counts, fit_sim, load_steps
@@ -104,14 +105,24 @@ def fit_level(level: str, out: Path) -> tuple[Any, dict[int, Any], Any]:
     serial_us = max(0, int(round((ttft_real_ms(64) * 1000 - sim_ttft_us(params, 64)) / 32)))
     params = replace(params, engine=replace(params.engine, request_serial_us=serial_us))
     params.to_json(out / f"sim_{level}.json")
-    per_c = {}
-    for c, (lo, hi) in BS_BUCKETS.items():
-        counts = accept_counts([s for s in steps if lo <= s.bs <= hi], params.acceptance)
-        if sum(h.sum() for h in counts.values()) >= 50:
-            ap, _ = fit_acceptance(counts, params.acceptance, step_weighted=True)
-            per_c[c] = replace(params, acceptance=ap)
-        else:
-            per_c[c] = params
+    # Acceptance per (device call, C): the records of that call's traces at that C's batch sizes
+    # (each call drew its own prompts; the measured point is the last call's).
+    from controller.protocol import parse_step
+    from controller.traces import iter_records, trace_files
+
+    by_call: dict[str, list[Any]] = {}
+    for path in trace_files(traces):
+        call = path.name.split("-", 1)[0]
+        by_call.setdefault(call, []).extend(parse_step(r) for r in iter_records(path) if r.get("t") == "step")
+    per_c: dict[tuple[str, int], Any] = {}
+    for call, call_steps in by_call.items():
+        for c, (lo, hi) in BS_BUCKETS.items():
+            counts = accept_counts([s for s in call_steps if lo <= s.bs <= hi], params.acceptance)
+            if sum(h.sum() for h in counts.values()) >= 50:
+                ap, _ = fit_acceptance(counts, params.acceptance, step_weighted=True)
+                per_c[(call, c)] = replace(params, acceptance=ap)
+            else:
+                per_c[(call, c)] = params
     return params, per_c, report
 
 
@@ -155,7 +166,7 @@ def main() -> None:
             real = float(m["throughput_tok_s"])
             n = int(m["n_requests"])
             one = sim_throughput(params, pol, c, n, args.seeds)
-            per = sim_throughput(per_c[c], pol, c, n, args.seeds)
+            per = sim_throughput(per_c.get((m["call"], c), params), pol, c, n, args.seeds)
             rows.append(
                 {"policy": pol, "c": c, "n_requests": n, "call": m["call"], "real": real, "sim_one": one,
                  "err_one_pct": 100 * (one / real - 1), "sim_per_c": per, "err_per_c_pct": 100 * (per / real - 1)}
