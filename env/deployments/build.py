@@ -173,7 +173,9 @@ def build_h200_longctx(reference: Path, h200: SimParams | None = None) -> SimPar
             "memory (spec_kv_budget_tokens: 4 KB/token and 1.04 GB): about 45 such requests fit, so the "
             "budget binds before the 256-request limit. At these lengths attention dominates the step and "
             "acceptance falls with context (the h200-llama8b acceptance model: 2.30 tokens at 2k, 1.08 at 20k). "
-            "Latency past 4096 tokens per sequence is the fitted model's extrapolation (linear in context)."
+            "Latency past 4096 tokens per sequence is the fitted model's extrapolation (linear in context); "
+            "prefill attention is linear in the prompt (pf_attn_us_per_tok), so 16k-token prefills are "
+            "under-priced by their quadratic attention (about 0.1 s per 16k prompt on this GPU)."
         ),
     )
 
