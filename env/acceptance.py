@@ -120,14 +120,16 @@ def marginal_conditionals(ap: AcceptanceParams, k: int = 3) -> np.ndarray:
 def accept_length_pmf(
     ap: AcceptanceParams, depth: int, shift: float = 0.0, step_weighted: bool = False
 ) -> np.ndarray:
-    """P(accept = a), a = 0..depth, for a request drawn from the population.
+    """P(accept = a), a = 0..depth, for a request drawn from the population, every request's
+    logit moved by ``shift`` (workload and context shifts apply to every request in the engine,
+    near-non-accepters included).
 
     ``step_weighted``: the distribution of *recorded entries* rather than of requests. A
     request stays in the batch for ``output/E_r`` steps, so entries over-represent poorly
     accepting requests by a factor ∝ 1/E_r; traces record entries.
     """
     x, w = _gh()
-    u = np.concatenate([ap.sigma * x + shift, [ap.zero_logit]])
+    u = np.concatenate([ap.sigma * x, [ap.zero_logit]]) + shift
     wu = np.concatenate([w * (1.0 - ap.p_zero), [ap.p_zero]])
     pmf_u = _pmf_given_u(ap.base_logits(depth), u)
     if step_weighted:
@@ -217,7 +219,7 @@ def fit_acceptance(
         ap = unpack(theta)
         total = 0.0
         for d, shift, c in items:
-            pmf = _population_pmf(ap, d, shift, step_weighted)
+            pmf = accept_length_pmf(ap, d, shift, step_weighted)
             total -= float(c @ np.log(np.maximum(pmf, 1e-300)))
         return total / n_total
 
@@ -255,27 +257,13 @@ def fit_acceptance(
     tvs, weights = [], []
     for d in sorted({d for d, _, _ in items}):
         got = np.sum([c for dd, _, c in items if dd == d], axis=0)
-        want = np.sum([_population_pmf(ap, d, s, step_weighted) * c.sum() for dd, s, c in items if dd == d], axis=0)
+        want = np.sum([accept_length_pmf(ap, d, s, step_weighted) * c.sum() for dd, s, c in items if dd == d], axis=0)
         tv = 0.5 * float(np.abs(want / want.sum() - got / got.sum()).sum())
         report[f"tv_depth{d}"] = tv
         tvs.append(tv)
         weights.append(float(got.sum()))
     report["tv_mean"] = float(np.average(tvs, weights=weights))
     return ap, report
-
-
-def _population_pmf(ap: AcceptanceParams, depth: int, shift: float, step_weighted: bool) -> np.ndarray:
-    """P(accept = a), a = 0..depth, over the population with every request's logit moved by
-    ``shift`` (the engine adds workload and context shifts to every request, near-non-accepters
-    included); ``step_weighted`` as in :func:`accept_length_pmf`."""
-    x, w = _gh()
-    u = np.concatenate([ap.sigma * x, [ap.zero_logit]]) + shift
-    wu = np.concatenate([w * (1.0 - ap.p_zero), [ap.p_zero]])
-    pmf_u = _pmf_given_u(ap.base_logits(depth), u)
-    if step_weighted:
-        wu = wu / (1.0 + pmf_u @ np.arange(depth + 1))
-        wu = wu / wu.sum()
-    return wu @ pmf_u
 
 
 def calibrate_context(

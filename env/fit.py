@@ -31,7 +31,7 @@ import numpy as np
 
 from controller.errors import TraceError
 from controller.protocol import Step
-from env.acceptance import AcceptanceParams, calibrate_to_conditionals, fit_acceptance
+from env.acceptance import AcceptanceParams, accept_length_pmf, calibrate_to_conditionals, fit_acceptance
 from env.errors import FitError
 from env.latency import KV_NAMES, LatencyParams, fit_profile, profile_mape, read_profile, step_times_us
 from env.params import EngineParams, SimParams
@@ -132,8 +132,6 @@ def accept_counts(steps: list[Step], ap: AcceptanceParams | None = None) -> dict
 
 
 def _tv(ap: AcceptanceParams, counts: dict) -> float | None:
-    from env.acceptance import _population_pmf
-
     by_depth: dict[int, list[tuple[float, np.ndarray]]] = {}
     for key, c in counts.items():
         d, shift = key if isinstance(key, tuple) else (key, 0.0)
@@ -142,7 +140,7 @@ def _tv(ap: AcceptanceParams, counts: dict) -> float | None:
     tvs, weights = [], []
     for d, parts in by_depth.items():
         got = np.sum([c for _, c in parts], axis=0)
-        want = np.sum([_population_pmf(ap, d, shift, True) * c.sum() for shift, c in parts], axis=0)
+        want = np.sum([accept_length_pmf(ap, d, shift, True) * c.sum() for shift, c in parts], axis=0)
         tvs.append(0.5 * float(np.abs(want / want.sum() - got / got.sum()).sum()))
         weights.append(float(got.sum()))
     return float(np.average(tvs, weights=weights)) if tvs else None
