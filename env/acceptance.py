@@ -3,7 +3,7 @@
 The conditional probability that draft position ``i`` (1-based) is accepted, given positions
 ``1..i−1`` were, for request ``r`` at time ``t``::
 
-    logit p_i(r, t) = alpha + beta·(i − 1) + u_r + g(t) + shift_r − stale_r(t)
+    logit p_i(r, t) = alpha + beta·(i − 1) + u_r + g(t) + shift_r − stale_r(t) − ctx_r(t)
 
 - ``alpha``, ``beta``: the per-position base and its slow decay (published 0.73, 0.71, 0.68
   conditional for Llama-3.1-8B + EAGLE-3 on MT-Bench, i.e. a decay of ≈ −0.12 logit/position);
@@ -15,7 +15,13 @@ The conditional probability that draft position ``i`` (1-based) is accepted, giv
 - ``shift_r``: the workload's offset for the request (code-like phases accept more);
 - ``stale_r``: the stale-drafter penalty, ``stale_logit·(1 − exp(−s/stale_tau_steps))`` after
   ``s`` consecutive steps at depth 0, decaying by ``exp(−1/stale_recover_steps)`` per
-  speculative step once drafting resumes.
+  speculative step once drafting resumes;
+- ``ctx_r``: the fall with context, ``ctx_logit·ln(L_r / ctx_ref_tokens)`` once the request's
+  sequence length ``L_r`` (prompt + emitted) passes ``ctx_ref_tokens`` (0 below). A drafter
+  trained on short sequences predicts long ones worse: users report an accepted length of 2.30
+  at 2k tokens of context falling to 1.08 at 20k, and 5-8% acceptance on long documents
+  (``reference/acceptance.md``); :func:`calibrate_context` solves the two parameters from
+  two such points.
 
 ``alpha`` is the *conditional* logit of a typical request; the marginal figures the papers
 report average the sigmoid over ``u_r``, which :func:`marginal_conditionals` computes.
@@ -54,6 +60,8 @@ class AcceptanceParams:
     stale_tau_steps: float = 50.0
     stale_recover_steps: float = 20.0
     code_shift: float = 0.8
+    ctx_ref_tokens: float = 1.0e9
+    ctx_logit: float = 0.0
     rel_se: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
@@ -66,6 +74,12 @@ class AcceptanceParams:
         if unknown:
             raise FitError(f"acceptance params: unknown keys {sorted(unknown)}")
         return cls(**d)
+
+    def ctx_shift(self, ctx_tokens: float) -> float:
+        """The logit shift of a request whose sequence holds ``ctx_tokens`` (≤ 0)."""
+        if self.ctx_logit <= 0.0 or ctx_tokens <= self.ctx_ref_tokens:
+            return 0.0
+        return -self.ctx_logit * math.log(ctx_tokens / self.ctx_ref_tokens)
 
     def base_logits(self, k: int = MAX_POSITIONS) -> np.ndarray:
         """Per-position base logits, positions 1..k."""
@@ -106,14 +120,16 @@ def marginal_conditionals(ap: AcceptanceParams, k: int = 3) -> np.ndarray:
 def accept_length_pmf(
     ap: AcceptanceParams, depth: int, shift: float = 0.0, step_weighted: bool = False
 ) -> np.ndarray:
-    """P(accept = a), a = 0..depth, for a request drawn from the population.
+    """P(accept = a), a = 0..depth, for a request drawn from the population, every request's
+    logit moved by ``shift`` (workload and context shifts apply to every request in the engine,
+    near-non-accepters included).
 
     ``step_weighted``: the distribution of *recorded entries* rather than of requests. A
     request stays in the batch for ``output/E_r`` steps, so entries over-represent poorly
     accepting requests by a factor ∝ 1/E_r; traces record entries.
     """
     x, w = _gh()
-    u = np.concatenate([ap.sigma * x + shift, [ap.zero_logit]])
+    u = np.concatenate([ap.sigma * x, [ap.zero_logit]]) + shift
     wu = np.concatenate([w * (1.0 - ap.p_zero), [ap.p_zero]])
     pmf_u = _pmf_given_u(ap.base_logits(depth), u)
     if step_weighted:
@@ -156,11 +172,17 @@ def harmonic_accept_length(ap: AcceptanceParams, depth: int, shift: float = 0.0)
 def fit_acceptance(
     counts: dict[int, np.ndarray], base: AcceptanceParams | None = None, step_weighted: bool = False
 ) -> tuple[AcceptanceParams, dict[str, float]]:
-    """Maximum-likelihood ``alpha``, ``beta``, ``sigma`` from accept-length histograms.
+    """Maximum-likelihood ``alpha``, ``beta``, ``sigma`` and ``p_zero`` from accept-length histograms.
+
+    ``p_zero`` (the share of requests the drafter does not track at all, ``u_r = zero_logit``)
+    lets the fit express a bimodal population — a third of the requests accepting nothing and
+    the rest accepting well (TensorRT-LLM's translation workloads, the `noisy` drafter of the
+    H200 runs) — which one normal ``u_r`` can only approximate by a huge ``sigma``.
 
     Args:
-        counts: depth → array of length depth + 1 with the number of entries that accepted
-            0..depth drafts.
+        counts: depth (or ``(depth, shift)``: entries whose requests had a known logit
+            shift, e.g. the fall with context) → array of length depth + 1 with the number of
+            entries that accepted 0..depth drafts.
         base: parameters kept for what the histograms cannot identify (drift, staleness).
         step_weighted: the counts are entries of step records (each request contributes one
             entry per step it ran, ∝ 1/E_r), not one draw per request; see
@@ -177,39 +199,48 @@ def fit_acceptance(
     from scipy.optimize import minimize
 
     base = base or AcceptanceParams()
-    items = [(d, np.asarray(c, dtype=float)) for d, c in sorted(counts.items()) if d > 0 and np.sum(c) > 0]
-    n_total = float(sum(c.sum() for _, c in items))
+    items = []  # (depth, context logit shift of the entries, histogram)
+    for key, c in sorted(counts.items()):
+        d, shift = key if isinstance(key, tuple) else (key, 0.0)
+        if d > 0 and np.sum(c) > 0:
+            items.append((int(d), float(shift), np.asarray(c, dtype=float)))
+    n_total = float(sum(c.sum() for _, _, c in items))
     if n_total < 50:
         raise FitError(
             f"acceptance: only {int(n_total)} accept entries at depth > 0; need at least 50 to fit"
         )
     x, w = _gh()
 
+    def unpack(theta: np.ndarray) -> AcceptanceParams:
+        p_zero = 1.0 / (1.0 + math.exp(-theta[3]))
+        return replace(base, alpha=theta[0], beta=theta[1], sigma=math.exp(theta[2]), p_zero=p_zero)
+
     def nll(theta: np.ndarray) -> float:
-        ap = replace(base, alpha=theta[0], beta=theta[1], sigma=math.exp(theta[2]))
-        u = np.concatenate([ap.sigma * x, [ap.zero_logit]])
-        wu = np.concatenate([w * (1.0 - ap.p_zero), [ap.p_zero]])
+        ap = unpack(theta)
         total = 0.0
-        for d, c in items:
-            pmf_u = _pmf_given_u(ap.base_logits(d), u)
-            if step_weighted:
-                wd = wu / (1.0 + pmf_u @ np.arange(d + 1))
-                pmf = (wd / wd.sum()) @ pmf_u
-            else:
-                pmf = wu @ pmf_u
+        for d, shift, c in items:
+            pmf = accept_length_pmf(ap, d, shift, step_weighted)
             total -= float(c @ np.log(np.maximum(pmf, 1e-300)))
         return total / n_total
 
-    theta0 = np.array([base.alpha, base.beta, math.log(max(base.sigma, 0.05))])
-    res = minimize(nll, theta0, method="Nelder-Mead", options={"xatol": 1e-5, "fatol": 1e-9, "maxiter": 4000})
-    th = res.x
-    ap = replace(base, alpha=float(th[0]), beta=float(th[1]), sigma=float(math.exp(th[2])))
+    pz = min(max(base.p_zero, 1e-4), 1.0 - 1e-4)
+    best = None
+    # Two starts: the base's population and a bimodal one (Nelder-Mead finds the nearer mode).
+    for start in ((base.alpha, base.beta, max(base.sigma, 0.05), pz), (base.alpha + 1.5, base.beta, 0.5, 0.3)):
+        theta0 = np.array([start[0], start[1], math.log(start[2]), math.log(start[3] / (1.0 - start[3]))])
+        res = minimize(nll, theta0, method="Nelder-Mead", options={"xatol": 1e-5, "fatol": 1e-9, "maxiter": 6000})
+        if best is None or res.fun < best.fun:
+            best = res
+    assert best is not None
+    th = best.x
+    fitted = unpack(th)
+    ap = replace(base, alpha=float(th[0]), beta=float(th[1]), sigma=float(fitted.sigma), p_zero=float(fitted.p_zero))
     # Observed information by finite differences → standard errors.
     h = 1e-3
     hess = np.zeros((3, 3))
     for i in range(3):
         for j in range(3):
-            e_i, e_j = np.eye(3)[i] * h, np.eye(3)[j] * h
+            e_i, e_j = np.eye(4)[i] * h, np.eye(4)[j] * h
             hess[i, j] = (
                 nll(th + e_i + e_j) - nll(th + e_i - e_j) - nll(th - e_i + e_j) + nll(th - e_i - e_j)
             ) / (4 * h * h)
@@ -223,13 +254,36 @@ def fit_acceptance(
     caps = (0.3, 0.1, 0.5)
     ap = replace(ap, rel_se={n: float(min(s, c)) for n, s, c in zip(("alpha", "beta", "sigma"), se, caps)})
     report: dict[str, float] = {"entries": n_total}
-    tvs = []
-    for d, c in items:
-        tv = 0.5 * float(np.abs(accept_length_pmf(ap, d, step_weighted=step_weighted) - c / c.sum()).sum())
+    tvs, weights = [], []
+    for d in sorted({d for d, _, _ in items}):
+        got = np.sum([c for dd, _, c in items if dd == d], axis=0)
+        want = np.sum([accept_length_pmf(ap, d, s, step_weighted) * c.sum() for dd, s, c in items if dd == d], axis=0)
+        tv = 0.5 * float(np.abs(want / want.sum() - got / got.sum()).sum())
         report[f"tv_depth{d}"] = tv
         tvs.append(tv)
-    report["tv_mean"] = float(np.mean(tvs))
+        weights.append(float(got.sum()))
+    report["tv_mean"] = float(np.average(tvs, weights=weights))
     return ap, report
+
+
+def calibrate_context(
+    ap: AcceptanceParams, depth: int, points: tuple[tuple[float, float], tuple[float, float]]
+) -> AcceptanceParams:
+    """Choose ``ctx_ref_tokens`` and ``ctx_logit`` so the population's mean accepted length
+    (bonus included) at ``depth`` is ``points[i][1]`` at ``points[i][0]`` tokens of context."""
+    from scipy.optimize import brentq
+
+    (l1, a1), (l2, a2) = points
+
+    def shift_for(target: float) -> float:
+        return brentq(lambda s: mean_accept_length(ap, depth, s) - target, -12.0, 6.0)
+
+    s1, s2 = shift_for(a1), shift_for(a2)  # both ≤ 0 when the points lie below the base
+    slope = (s1 - s2) / math.log(l2 / l1)
+    if slope <= 0.0:
+        raise FitError(f"acceptance: points {points} do not fall with context")
+    ref = l1 * math.exp(s1 / slope) if s1 < 0.0 else l1
+    return replace(ap, ctx_logit=float(slope), ctx_ref_tokens=float(ref))
 
 
 def calibrate_to_conditionals(target: list[float], base: AcceptanceParams | None = None) -> AcceptanceParams:

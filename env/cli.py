@@ -30,6 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--predictions", metavar="OUT_CSV", help="with --holdout: write its rows plus predicted_ms"
     )
+    p.add_argument(
+        "--off-path",
+        choices=("plain", "verify"),
+        help="how the traced server ran depth 0: plain (the off switch) or verify (SGLang's own "
+        "width-1 verify, servers without the off switch); default: as the base deployment (plain)",
+    )
     p.set_defaults(func=_cmd_fit)
 
     b = subparsers.add_parser(
@@ -41,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ),
     )
     src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--deployment", help="bundled deployment: h200-llama8b or seed")
+    src.add_argument(
+        "--deployment", help="bundled deployment: h200-llama8b, h200-llama8b-longctx, h200-70b or seed"
+    )
     src.add_argument("--sim", metavar="SIM_JSON", help="a fitted sim.json")
     b.add_argument("--policy", required=True, help="policy spec: builtin:NAME or a PPO zip")
     b.add_argument(
@@ -61,7 +69,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     if args.predictions and not args.holdout:
         raise ConfigError("--predictions needs --holdout")
-    params, report = fit_sim(args.traces, args.profile)
+    params, report = fit_sim(args.traces, args.profile, off_path=args.off_path)
     params.to_json(args.out)
     report_path = Path(args.out).with_suffix(".report.json")
     report_path.write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")

@@ -3,9 +3,11 @@
 Steppable and discrete-event with an integer µs clock. One :meth:`Engine.step` call advances
 to the next decode step and runs it at the depth given:
 
-1. arrivals up to now join the waiting queue (FIFO);
+1. arrivals up to now join the waiting queue (FIFO), once through the server's request path
+   (``EngineParams.request_latency_us``/``request_serial_us``; none by default);
 2. admission: waiting requests join the running batch while there is room under
-   ``max_running_requests`` and the KV budget, up to ``chunked_prefill_tokens`` of prompt per
+   ``max_running_requests`` and the KV budget (``spec_kv_budget_tokens``: the drafter's
+   weights and KV carried), up to ``chunked_prefill_tokens`` of uncached prompt per
    step (at least one request); each reserves ``prompt + output`` KV tokens (the output length
    is the request's ``max_new_tokens``, which the server knows — benchmark clients fix it),
    so the pool can never overflow. Their prompts are prefilled before the decode and the
@@ -148,11 +150,16 @@ class Engine:
         self._lat_c = step_coeffs(p.latency)
         self._consts = np.concatenate(
             [
-                [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6],
+                [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6, ap.ctx_ref_tokens, ap.ctx_logit],
                 self._base,
                 stale_table,
             ]
         )
+        e = p.engine
+        self._req_lat_us = int(e.request_latency_us)
+        self._req_serial_us = int(e.request_serial_us)
+        self._ingress_on = self._req_lat_us > 0 or self._req_serial_us > 0
+        self._ingress_us = -(10**18)  # when the request path last let a request through
         self.ctx_sum = 0  # Σ sequence lengths of the running requests
         self.n = 0
         self.waiting: deque[tuple[int, int, int, float, int]] = deque()
@@ -165,7 +172,7 @@ class Engine:
         )
         # Hot-path constants (Python floats/lists index faster than numpy scalars).
         self._instance = p.engine.instance
-        self._kv_budget = p.engine.kv_budget_tokens
+        self._kv_budget = p.engine.spec_kv_budget_tokens  # the drafter's weights and KV carried
         self._drift_on = p.acceptance.drift_sd > 0.0
         self.completed: list[RequestStats] = []
         self.tokens_emitted = 0
@@ -185,14 +192,26 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
 
+    def _next_ready(self) -> int | None:
+        """When the next arriving request reaches the scheduler (None: no request left).
+
+        A request passes the server's request path first (HTTP, tokenizer; ``EngineParams``
+        ``request_latency_us`` each, ``request_serial_us`` apart: one tokenizer process), so
+        it joins the waiting queue then; its arrival time (for TTFT) stays the client's."""
+        t = self.arrivals.peek()
+        if t is None or not self._ingress_on:
+            return t
+        return max(t + self._req_lat_us, self._ingress_us + self._req_serial_us)
+
     def _pull_arrivals(self) -> None:
         arr = self.arrivals
-        t = arr.peek()
-        while t is not None and t <= self.now_us:
+        r = self._next_ready()
+        while r is not None and r <= self.now_us:
             t_us, prompt, out, shift = arr.pop()
+            self._ingress_us = r
             self.waiting.append((t_us, prompt, out, shift, self.next_rid))
             self.next_rid += 1
-            t = arr.peek()
+            r = self._next_ready()
 
     def _admit(self) -> int:
         """Move waiting requests into the batch; returns prompt tokens prefilled."""
@@ -200,8 +219,9 @@ class Engine:
             return 0
         e = self.params.engine
         ap = self.params.acceptance
-        budget = e.kv_budget_tokens
+        budget = self._kv_budget
         chunk = e.chunked_prefill_tokens
+        hit = e.prefix_cache_hit
         prefilled = 0
         while self.waiting and self.n < self._cap:
             t_us, prompt, out, shift, rid = self.waiting[0]
@@ -214,7 +234,9 @@ class Engine:
                     self.rejected += 1
                     continue
                 break
-            if prefilled > 0 and prefilled + prompt > chunk:
+            # The part of the prompt found in the radix cache is not prefilled (still in the KV).
+            uncached = prompt - int(prompt * hit)
+            if prefilled > 0 and prefilled + uncached > chunk:
                 break
             self.waiting.popleft()
             if self._rng_acc.random() < ap.p_zero:
@@ -225,7 +247,7 @@ class Engine:
             self.ctx_sum += prompt
             self.n += 1
             self.kv_reserved += need
-            prefilled += prompt
+            prefilled += uncached
         return prefilled
 
     # ------------------------------------------------------------------ stepping
@@ -250,14 +272,14 @@ class Engine:
                 f"depth must be in 0..{_MAX_POS} (the acceptance model's positions), got {depth}"
             )
         n_before = self.n
-        t_next = self.arrivals.peek()
+        t_next = self._next_ready()
         if self.waiting or (t_next is not None and t_next <= self.now_us):
             self._pull_arrivals()
             prefill = self._admit()
         else:
             prefill = 0
         while self.n == 0:
-            t_next = self.arrivals.peek()
+            t_next = self._next_ready()
             if t_next is None:
                 raise SimulationDone("the workload has no request left; check Engine.done before step()")
             self.now_us = max(self.now_us, t_next)
@@ -369,7 +391,12 @@ class Engine:
         rem = self.rem[:n].astype(np.float64)
         if depth == 0:
             return float(np.minimum(1.0, rem).sum())
-        logits = self._base[:depth] + (self.xoff[:n] + self.drift)[:, None]
+        x = self.xoff[:n] + self.drift
+        ap = self.params.acceptance
+        if ap.ctx_logit > 0.0:
+            seq_len = self.S[:n, PROMPT] + self.S[:n, OUT] - rem
+            x = x - ap.ctx_logit * np.log(np.maximum(seq_len / ap.ctx_ref_tokens, 1.0))
+        logits = self._base[:depth] + x[:, None]
         reach = np.cumprod(1.0 / (1.0 + np.exp(-logits)), axis=1)  # P(accept >= j), j = 1..depth
         j = np.arange(1, depth + 1)
         reach = np.where(j[None, :] <= (rem - 1.0)[:, None], reach, 0.0)
@@ -425,6 +452,7 @@ def _decode(
 
     Args:
         consts: the stale penalty's decay per drafting step, ``1/decay - 1``, the drift's sd and time constant (µs),
+            the context fall's reference length (tokens) and logit per e-fold beyond it,
             the acceptance logit of each of the ``_MAX_POS`` draft positions, and the stale
             penalty after k steps without drafting (k = 0, 1, ...; none: no stale penalty).
         ints, floats: per request ``(rem, zs)`` and ``(xoff, pen, U .. OUT)``: remaining
@@ -443,15 +471,20 @@ def _decode(
         how many requests have no token left.
     """
     rem, zs, xoff, pen = ints[0], ints[1], floats[0], floats[1]
-    o_base = 4
+    o_base = 6
     o_stale = o_base + _MAX_POS
     busy = max(1, int(model_us * math.exp(lat_eps)))
     tokens = n
     if depth > 0:
+        ctx_ref, ctx_logit = consts[4], consts[5]
         for j in range(n):
             # Positions 1..a accepted, a + 1 rejected: logistic noise minus the position's
             # logit (left to right, as Generator.logistic computes it) against the offset.
             x = xoff[j] + drift
+            if ctx_logit > 0.0:  # the drafter tracks long sequences worse
+                seq_len = floats[2 + PROMPT, j] + floats[2 + OUT, j] - rem[j]
+                if seq_len > ctx_ref:
+                    x -= ctx_logit * math.log(seq_len / ctx_ref)
             a = 0
             while a < depth:
                 u = noise[i0 + j, a]

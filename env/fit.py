@@ -33,18 +33,18 @@ from controller.errors import TraceError
 from controller.protocol import Step
 from env.acceptance import AcceptanceParams, accept_length_pmf, calibrate_to_conditionals, fit_acceptance
 from env.errors import FitError
-from env.latency import LatencyParams, fit_profile, profile_mape, read_profile, step_times_us
+from env.latency import KV_NAMES, LatencyParams, fit_profile, profile_mape, read_profile, step_times_us
 from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
 HOLDOUT_FRAC = 0.2
 # Groups of pass terms that traces can scale independently (each a physical cost class).
 _GROUPS = {
-    "fixed": ("t_fix_us", "w_us", "a0_us", "aq_us", "fq_us"),  # per pass: launches, weight reads
-    "per_token": ("f_us_per_tok", "tok_us_per_tok", "sq_us_per_seq", "sqq_us_per_seq"),  # per new token / seq
-    "per_ctx": ("kv_us_per_ctx_tok", "kvq_us_per_ctx_tok", "kvs_us_per_ctx_tok", "fq_kv_us_per_ctx_tok"),
-    "draft_fixed": ("d_fix_us", "d_fc_us"),
-    "draft_per_token": ("d_tok_us_per_tok", "d_kv_us_per_ctx_tok"),
+    "fixed": ("t_fix_us", "w_us", "dec_fix_us", "split_fix_us", "mq_fix_us"),  # per pass: launches, weight reads
+    "per_token": ("f_us_per_tok", "tok_us_per_tok", "dec_seq_us", "split_seq_us", "mq_seq_us"),  # per token / seq
+    "per_ctx": KV_NAMES,  # per cached token
+    "draft_fixed": ("d_fix_us", "d_fc_us", "d_w_us"),
+    "draft_per_token": ("d_f_us_per_tok", "d_tok_us_per_tok"),
     "prefill": ("pf_scale", "pf_attn_us_per_tok"),
 }
 
@@ -115,23 +115,34 @@ def load_steps(traces_dir: str) -> dict[str, list[Step]]:
     return recs
 
 
-def accept_counts(steps: list[Step]) -> dict[int, np.ndarray]:
-    """depth → histogram of accept values 0..depth over all entries."""
-    out: dict[int, np.ndarray] = {}
+def accept_counts(steps: list[Step], ap: AcceptanceParams | None = None) -> dict:
+    """Histograms of accept values 0..depth over all entries: by depth, or — when ``ap`` has a
+    fall with context — by ``(depth, shift)``, the context shift of the step's mean sequence
+    length rounded to 0.05 logit, so the fit does not read long-context steps as a worse drafter."""
+    ctx_on = ap is not None and ap.ctx_logit > 0.0
+    out: dict = {}
     for s in steps:
         if s.depth > 0 and s.accept:
-            h = out.setdefault(s.depth, np.zeros(s.depth + 1))
+            key: Any = s.depth
+            if ctx_on and ap is not None:
+                key = (s.depth, round(ap.ctx_shift(s.ctx_tokens / max(s.bs, 1)) / 0.05) * 0.05)
+            h = out.setdefault(key, np.zeros(s.depth + 1))
             h += np.bincount(np.asarray(s.accept, dtype=np.int64), minlength=s.depth + 1)[: s.depth + 1]
     return out
 
 
-def _tv(ap: AcceptanceParams, counts: dict[int, np.ndarray]) -> float | None:
-    tvs, weights = [], []
-    for d, c in counts.items():
+def _tv(ap: AcceptanceParams, counts: dict) -> float | None:
+    by_depth: dict[int, list[tuple[float, np.ndarray]]] = {}
+    for key, c in counts.items():
+        d, shift = key if isinstance(key, tuple) else (key, 0.0)
         if c.sum() > 0:
-            pmf = accept_length_pmf(ap, d, step_weighted=True)
-            tvs.append(0.5 * float(np.abs(pmf - c / c.sum()).sum()))
-            weights.append(float(c.sum()))
+            by_depth.setdefault(int(d), []).append((float(shift), c))
+    tvs, weights = [], []
+    for d, parts in by_depth.items():
+        got = np.sum([c for _, c in parts], axis=0)
+        want = np.sum([accept_length_pmf(ap, d, shift, True) * c.sum() for shift, c in parts], axis=0)
+        tvs.append(0.5 * float(np.abs(want / want.sum() - got / got.sum()).sum()))
+        weights.append(float(got.sum()))
     return float(np.average(tvs, weights=weights)) if tvs else None
 
 
@@ -163,16 +174,27 @@ def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
 def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool = False) -> LatencyParams:
     """Fit one scale per cost class of pass terms and the per-step overheads to traced step times.
 
-    ``overheads_only``: keep the pass terms (and ``p``) as given — when a profile measured
-    them — and fit only what a profile cannot see: the per-step overheads.
+    The overheads are ``oh_us``, ``oh_spec_us`` (when the traces speculate), ``oh_req_us`` and,
+    when ``lp.off_path`` is ``"verify"`` and the traces hold depth-0 steps, the extra cost of
+    SGLang's width-1 verify at depth 0 (``v0_fix_us``, ``v0_seq_us``). The declared hardware
+    terms (``p``, the wave size) stay as given.
+
+    ``overheads_only``: keep the pass terms as given — when a profile measured them — and fit
+    only what a profile cannot see: the per-step overheads.
     """
     from scipy.optimize import least_squares
 
     bs, depth, ctx, pf, us = _step_arrays(steps)
     if len(us) < 10:
         raise FitError(f"traces: only {len(us)} usable step records; need at least 10 to fit step latency")
-    has_spec = bool(np.any(depth > 0))
-
+    # (name, unit scale of the free variable, whether the traces identify it)
+    over = [
+        ("oh_us", 1000.0, True),
+        ("oh_spec_us", 1000.0, bool(np.any(depth > 0))),
+        ("oh_req_us", 1.0, True),
+        ("v0_fix_us", 1000.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
+        ("v0_seq_us", 10.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
+    ]
     groups = list(_GROUPS.items())
     ng = len(groups)
 
@@ -181,26 +203,30 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool 
         for (_, names), lz in zip(groups, z[:ng]):
             for n in names:
                 changes[n] = getattr(lp, n) * float(np.exp(lz))
-        oh, oh_spec, oh_req, p = z[ng] * 1000.0, z[ng + 1] * 1000.0, z[ng + 2], z[ng + 3]
-        return replace(
-            lp, **changes, oh_us=oh, oh_spec_us=oh_spec if has_spec else lp.oh_spec_us, oh_req_us=oh_req, p=p
-        )
+        for (name, unit, active), v in zip(over, z[ng:]):
+            if active:
+                changes[name] = float(v * unit)
+        return replace(lp, **changes)
 
     def resid(z: np.ndarray) -> np.ndarray:
         # Bounded: a wild trial point must not turn into inf/NaN (which stalls the SVD).
         return np.clip(np.log(np.maximum(_predict_steps(make(z), bs, depth, ctx, pf), 1.0) / us), -20.0, 20.0)
 
-    z0 = np.concatenate([np.zeros(ng), [lp.oh_us / 1000.0, lp.oh_spec_us / 1000.0, lp.oh_req_us, lp.p]])
+    z0 = np.concatenate([np.zeros(ng), [getattr(lp, name) / unit for name, unit, _ in over]])
     # Subsample for speed: a few thousand steps pin these few parameters.
-    if len(us) > 1500:
-        idx = np.linspace(0, len(us) - 1, 1500).astype(int)
+    if len(us) > 3000:
+        idx = np.linspace(0, len(us) - 1, 3000).astype(int)
         bs, depth, ctx, pf, us = bs[idx], depth[idx], ctx[idx], pf[idx], us[idx]
-    lo = np.concatenate([np.full(ng, -5.0), [0.0, 0.0, 0.0, 1.0]])
-    hi = np.concatenate([np.full(ng, 5.0), [1e4, 1e4, 1e4, 16.0]])
-    if overheads_only:  # pin the pass scales at 1 and p at its value (tight bounds)
+    lo = np.concatenate([np.full(ng, -5.0), np.zeros(len(over))])
+    hi = np.concatenate([np.full(ng, 5.0), np.full(len(over), 1e4)])
+    for i, (_, _, active) in enumerate(over):
+        if not active:  # what the traces cannot see stays as given (tight bounds)
+            lo[ng + i], hi[ng + i] = z0[ng + i] - 1e-9, z0[ng + i] + 1e-9
+            z0[ng + i] = max(z0[ng + i], 0.0)
+    if overheads_only:  # pin the pass scales at 1
         lo[:ng], hi[:ng] = -1e-9, 1e-9
-        lo[ng + 3], hi[ng + 3] = lp.p - 1e-9, lp.p + 1e-9
-    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=60, x_scale="jac")
+    z0 = np.clip(z0, lo, hi)
+    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=100, x_scale="jac")
     return make(sol.x)
 
 
@@ -241,11 +267,13 @@ def _fit_workload(steps: list[Step], base: WorkloadParams, report: FitReport) ->
 def _fit_engine(steps: list[Step], base: EngineParams, report: FitReport) -> EngineParams:
     bs_max = max(s.bs for s in steps)
     ratios = [s.ctx_tokens / s.kv_usage for s in steps if s.kv_usage > 0.02 and s.ctx_tokens > 0]
-    budget = int(np.median(ratios)) if ratios else base.kv_budget_tokens
+    # The traces' pool is the speculating server's (the drafter's weights and KV already
+    # carried): store the drafter-free budget that gives it (EngineParams.spec_kv_budget_tokens).
+    budget = base.plain_budget_for(int(np.median(ratios))) if ratios else base.kv_budget_tokens
     if not ratios:
         report.notes.append("engine: no record with kv_usage > 2%; KV budget kept from the base")
     else:
-        report.fitted.append("engine.kv_budget_tokens (ctx_tokens / kv_usage)")
+        report.fitted.append("engine.kv_budget_tokens (ctx_tokens / kv_usage, the drafter's memory added back)")
     instance = steps[0].instance
     return replace(
         base,
@@ -259,7 +287,7 @@ def _fit_engine(steps: list[Step], base: EngineParams, report: FitReport) -> Eng
 
 
 def fit_sim(
-    traces_dir: str | None, profiles: list[str], base: SimParams | None = None
+    traces_dir: str | None, profiles: list[str], base: SimParams | None = None, off_path: str | None = None
 ) -> tuple[SimParams, FitReport]:
     """Fit a simulator to a trace folder and/or latency-profile CSVs.
 
@@ -268,6 +296,9 @@ def fit_sim(
         profiles: profile CSVs in the format of ``reference/h200_llama8b/latency.csv``.
         base: parameters for what the data cannot identify (default: the bundled
             ``h200-llama8b`` deployment when it can be loaded, else the built-in defaults).
+        off_path: how the traced server ran depth 0 (``"plain"``: the off switch;
+            ``"verify"``: SGLang's own width-1 verify, whose extra cost the traces then fit);
+            None keeps the base's.
 
     Returns:
         The fitted :class:`SimParams` and a printable :class:`FitReport`.
@@ -289,7 +320,7 @@ def fit_sim(
         except Exception:  # noqa: BLE001 — the bundled file is optional here; defaults are documented
             base = SimParams(acceptance=calibrate_to_conditionals([0.73, 0.71, 0.68]))
     report = FitReport(profiles=list(profiles), traces=traces_dir)
-    lp = base.latency
+    lp = base.latency if off_path is None else replace(base.latency, off_path=off_path)
 
     if profiles:
         frames = [read_profile(p) for p in profiles]
@@ -320,13 +351,12 @@ def fit_sim(
         lp = fit_step_latency(lp, all_steps, overheads_only=pinned)
         report.step_mape_fit = step_mape(lp, all_steps)
         report.fitted.append(
-            "latency per-step overheads (traces)"
-            if pinned
-            else "latency overheads and cost-class scales (traces)"
+            ("latency per-step overheads (traces)" if pinned else "latency overheads and cost-class scales (traces)")
+            + ("; SGLang's depth-0 verify cost v0_fix_us, v0_seq_us" if lp.off_path == "verify" else "")
         )
 
-        counts_fit, counts_hold = accept_counts(fit_steps), accept_counts(hold_steps)
-        counts_all = accept_counts(all_steps)
+        counts_fit, counts_hold = accept_counts(fit_steps, ap), accept_counts(hold_steps, ap)
+        counts_all = accept_counts(all_steps, ap)
         n_entries = int(sum(c.sum() for c in counts_all.values()))
         report.accept_entries = n_entries
         if n_entries < 50:
@@ -340,7 +370,7 @@ def fit_sim(
                 report.accept_tv_holdout = _tv(ap_ho, counts_hold)
             ap, _ = fit_acceptance(counts_all, ap, step_weighted=True)
             report.accept_tv_fit = _tv(ap, counts_all)
-            report.fitted.append("acceptance alpha, beta, sigma (ML over accept lists)")
+            report.fitted.append("acceptance alpha, beta, sigma, p_zero (ML over accept lists)")
         wp = _fit_workload(all_steps, wp, report)
         ep = _fit_engine(all_steps, ep, report)
     params = replace(
@@ -371,3 +401,49 @@ def predict_profile(params: SimParams, holdout_csv: str):
                 (abs(sub["predicted_ms"] - sub["median_ms"]) / sub["median_ms"]).mean() * 100
             )
     return out, mape
+
+
+# --------------------------------------------------------------------------- extrapolation
+
+EXTRAPOLATION_SPLITS = {
+    "long context (fit ctx <= 2048, predict ctx > 2048)": ("ctx", 2048),
+    "large batch (fit batch <= 32, predict batch > 32)": ("batch", 32),
+}
+"""Held-out splits of a profile: fit on rows with the column ≤ the limit, predict the rest."""
+PART_ORDER = (
+    "target decode", "target verify", "draft", "draft_nofc", "target_gemm", "target_attn_split", "target_attn_fa2",
+)  # fmt: skip
+
+
+def extrapolation_report(df) -> list[dict[str, Any]]:
+    """Fit the latency model on each split of :data:`EXTRAPOLATION_SPLITS` and score the rows the
+    fit never saw: per part (target decode, target verify, draft, draft_nofc, and the attention
+    and GEMM decompositions) the row count, MAPE (%) and the worst row.
+
+    Returns:
+        One dict per (split, part): ``split``, ``part``, ``rows``, ``mape_pct``,
+        ``worst_pct`` (signed), ``worst_row`` (``B=… q=… ctx=…``).
+    """
+    from env.latency import profile_errors
+
+    out: list[dict[str, Any]] = []
+    for split, (col, limit) in EXTRAPOLATION_SPLITS.items():
+        seen = df[col] <= limit
+        lp, _ = fit_profile(df[seen])
+        errs = profile_errors(lp, df[~seen])
+        for part in PART_ORDER:
+            sub = errs[errs["part"] == part]
+            if sub.empty:
+                continue
+            worst = sub.loc[sub["err_pct"].abs().idxmax()]
+            out.append(
+                {
+                    "split": split,
+                    "part": str(part),
+                    "rows": int(len(sub)),
+                    "mape_pct": float(sub["err_pct"].abs().mean()),
+                    "worst_pct": float(worst["err_pct"]),
+                    "worst_row": f"B={int(worst['batch'])} q={int(worst['q'])} ctx={int(worst['ctx'])}",
+                }
+            )
+    return out

@@ -1,37 +1,57 @@
-"""Step-latency model: named physical terms, fitted to profile CSVs and per-step traces.
+"""Step-latency model: named physical terms per kernel, fitted to profile CSVs and traces.
 
 One forward pass of the target over ``B`` sequences with ``q`` new tokens each and
-``C = Σ ctx`` tokens already cached (all times in µs)::
+``C = Σ ctx`` tokens already cached, ``L = C / B`` per sequence (all times in µs)::
 
-    target(B, q, C) = t_fix + gemm(N) + tok·N + attn(q, C)          N = B·q new tokens
-    gemm(N)         = (w^p + (f·N)^p)^(1/p)   weights read once per pass  vs  compute per token
-    attn(B, q, C)   = a0 + sq·B + kv·C + [q > 1]·min(aq + sqq·B + kvq·C + kvs·(q − 2)·C,  fq + fqkv·C)
+    target(B, q, C) = t_fix + gemm(w, f, N) + tok·N + layers·attn(B, q, L)      N = B·q new tokens
+    gemm(w, f, N)   = (w^p + (f·N)^p)^(1/p)      weights read once per pass  vs  compute per token
 
-``w`` is the time to stream the weights (memory-bound floor), ``f`` the compute per token
-(roofline slope), ``p`` how sharply one regime hands over to the other, ``tok`` the
-unfused per-token work (norms, RoPE, SwiGLU), ``kv`` the KV read per cached token, ``sq`` the
-per-sequence cost of the attention kernel (work split per sequence), and the
-``[q > 1]`` terms the verify: the faster of a split-KV kernel (``aq``, ``sqq``, ``kvq``, ``kvs``)
-and the decode kernel re-reading the KV per query row (``fq``, ``fqkv``), as the profiled
-target chose per shape. The draft
-head is the same shape with its own coefficients::
+Attention, per layer, per kernel ``k`` (the decode kernel at q = 1; at q > 1 the faster of
+the split-KV verify kernel and the decode kernel run with q query rows, as the profiled
+target chose per shape)::
 
-    draft(B, q, C) = d_fix + [fc]·d_fc + d_tok·N + d_kv·C
+    attn_k(B, q, L) = (fix_k + seq_k·B + L·(kv1_k·B1 + kv_k·(B − B1))) · [split: 1 + qrel·(q − 2)]
+    B1 = B / (1 + (B / wave_seqs)^s)^(1/s)        the sequences of the first wave (smooth min(B, wave_seqs))
+
+Why this form: a decode attention kernel runs one thread block per (sequence, KV head). Up to
+``wave_seqs = SMs / KV heads`` sequences (16.5 on an H200 with 8 KV heads) fit in the first
+wave, which reads the KV at ``kv1`` per token (near the copy bandwidth, latency-bound at
+small batch); every sequence beyond it queues for a later wave and streams at the sustained
+rate ``kv`` (about half the copy bandwidth on the H200 profile). So the cost per cached token
+depends on how many sequences share the GPU, not only on the context: the same 64k cached
+tokens cost 2.2 ms as 16 sequences of 4096 and 3.6 ms as 64 of 1024. One linear KV term
+fitted over both regimes under-priced long-context large-batch decode by 13-23%. ``wave_seqs``
+and the sharpness ``s`` are declared from the hardware, not fitted: with one context length
+in the fit, C and B move together and the split could not be learned.
+
+The draft head is the same kind of pass, ``d_layers`` of the target's layers wide::
+
+    draft(B, q, C) = d_fix + [fc]·d_fc + gemm(d_w, d_f, N) + d_tok·N + d_layers·attn(B, q, L)
 
 One engine step at depth ``k`` (SGLang EAGLE-3, chain drafts, ``topk = 1``)::
 
-    k > 0:  oh + oh_spec + oh_req·B + Σ_{i=1..k} draft(B, 1, C) [first with fc]
+    k > 0:  oh + oh_req·B + oh_spec + Σ_{i=1..k} draft(B, 1, C) [first with fc]
             + target(B, k + 1, C) + draft(B, k + 1, C) [draft extend after verify]
-    k = 0:  oh + oh_req·B + target(B, 1, C) + [extend0]·draft(B, 1, C)
+    k = 0, off_path "plain":   oh + oh_req·B + target(B, 1, C) + [off_extend]·draft(B, 1, C)
+    k = 0, off_path "verify":  oh + oh_req·B + oh_spec + target(B, 1, C) + v0_fix + v0_seq·B
+                               + draft(B, 1, C)
 
-``extend0`` models SGLang ≥ 0.5.17, where depth 0 still runs a width-1 verify and a draft
-extend so the drafter stays warm. Prefill of ``P`` prompt tokens between two decode steps
-adds ``t_fix + pf_scale·(gemm(P) + tok·P) + a0 + pf_attn·P`` (chunked, one pass; ``pf_scale``
-is 1 when the per-token terms are GPU work, below 1 where calibration shows the per-token cost
-of decode is mostly per-output-token work that prefill does not pay).
+``off_path`` is how the deployment runs depth 0: ``"plain"`` is the off switch
+(``sglang_hook/off_switch.py``: the target's plain decode, the drafter's one-token extend kept
+when ``off_extend``; measured 0.87-0.97x a plain server kept, 0.95-1.00x skipped),
+``"verify"`` is SGLang's own depth 0 (a width-1 verify through the extend-attention kernel,
+one real query row per 128-row tile, plus the draft extend: measured 0.72x a plain server at
+C = 1 and 0.40x at C = 64-128; ``v0_fix``/``v0_seq`` carry that kernel's extra cost).
+Switching depth costs nothing of its own (measured: a 0→3→0 round trip is within noise).
 
-Every term is linear in its coefficient except ``gemm``; extrapolation past the fitted range
-is therefore linear in tokens and in cached context (no polynomial blow-up).
+Prefill of ``P`` prompt tokens between two decode steps adds
+``t_fix + pf_scale·(gemm(w, f, P) + tok·P) + layers·fix_dec + pf_attn·P`` (chunked, one pass).
+
+Every pass formula is written once, as compiled scalar kernels (:func:`_target_pass`,
+:func:`_draft_pass`, :func:`_attn_pass`) over the coefficient array of :func:`step_coeffs`;
+the engine's step, the fit to traces, the fit to profiles and :func:`predict_component_ms`
+all evaluate those kernels (over arrays through one compiled loop). Past the fitted range
+the model is linear in batch, in tokens and in cached context (no polynomial blow-up).
 """
 
 from __future__ import annotations
@@ -45,9 +65,6 @@ import numpy as np
 from controller._jit import maybe_njit
 from env.errors import FitError
 
-TARGET_LOSS = "linear"
-SIZE_WEIGHT_EXP = 0.0
-ATTN_WEIGHT = 1.0  # attention-only rows pin the KV-read slope that long-context extrapolation rides on
 PROFILE_COLUMNS = ("component", "batch", "q", "ctx", "median_ms")
 KNOWN_COMPONENTS = (
     "target",
@@ -57,42 +74,75 @@ KNOWN_COMPONENTS = (
     "draft",
     "draft_nofc",
 )
+OFF_PATHS = ("plain", "verify")
+# Weights of the profile fit's log residuals per component: whole passes (what steps are made
+# of) count fully; the GEMM-only and attention-only decompositions pin the terms apart.
+COMPONENT_WEIGHT = {
+    "target": 1.0,
+    "draft": 1.0,
+    "draft_nofc": 1.0,
+    "target_gemm": 0.5,
+    "target_attn_fa2": 0.5,
+    "target_attn_split": 0.5,
+}
+# No kernel reads the KV cache faster than the device copies memory: on the H200 profile a
+# token of one layer's KV (8 KV heads x 128 x K and V x bf16 = 4096 bytes) at the probed
+# 4.24 TB/s. A lower bound for every per-token attention coefficient.
+H200_8B_KV_FLOOR_US_PER_TOK = 4096 / 4.24e12 * 1e6
 
 
 @dataclass(frozen=True)
 class LatencyParams:
-    """Coefficients of the step-latency model (µs; per-token terms in µs per token).
+    """Coefficients of the step-latency model (module docstring; µs, per-token terms µs/token,
+    attention terms per layer).
 
-    ``rel_se`` holds a relative standard error per coefficient (same names), used by
-    domain randomization; missing names mean 0.
+    Declared, not fitted (hardware and shape): ``p``, ``layers``, ``wave_seqs``,
+    ``wave_sharpness``, ``d_layers``. ``rel_se`` holds a relative standard error per fitted
+    coefficient (same names), used by domain randomization; missing names mean 0.
     """
 
-    t_fix_us: float = 1000.0
-    w_us: float = 3990.0
-    f_us_per_tok: float = 22.8
-    p: float = 4.0
-    tok_us_per_tok: float = 3.0
-    a0_us: float = 300.0
-    sq_us_per_seq: float = 5.0
-    kv_us_per_ctx_tok: float = 0.056
-    aq_us: float = 400.0
-    sqq_us_per_seq: float = 5.0
-    kvq_us_per_ctx_tok: float = 0.015
-    kvs_us_per_ctx_tok: float = 0.0005
-    fq_us: float = 200.0
-    fq_kv_us_per_ctx_tok: float = 0.2
-    d_fix_us: float = 270.0
-    d_fc_us: float = 25.0
-    d_tok_us_per_tok: float = 2.2
-    d_kv_us_per_ctx_tok: float = 0.0017
+    t_fix_us: float = 1280.0
+    w_us: float = 4000.0
+    f_us_per_tok: float = 24.0
+    p: float = 2.0
+    tok_us_per_tok: float = 0.5
+    layers: float = 32.0
+    wave_seqs: float = 16.5
+    wave_sharpness: float = 8.0
+    dec_fix_us: float = 11.5
+    dec_seq_us: float = 0.0
+    dec_kv1_us_per_tok: float = 0.0011
+    dec_kv_us_per_tok: float = 0.0018
+    split_fix_us: float = 27.0
+    split_seq_us: float = 0.4
+    split_kv1_us_per_tok: float = 0.001
+    split_kv_us_per_tok: float = 0.0022
+    split_q_rel: float = 0.008
+    mq_fix_us: float = 10.0
+    mq_seq_us: float = 0.2
+    mq_kv1_us_per_tok: float = 0.0045
+    mq_kv_us_per_tok: float = 0.009
+    d_fix_us: float = 50.0
+    d_fc_us: float = 28.0
+    d_w_us: float = 270.0
+    d_f_us_per_tok: float = 2.3
+    d_tok_us_per_tok: float = 0.15
+    d_layers: float = 1.0
     oh_us: float = 300.0
     oh_spec_us: float = 200.0
     oh_req_us: float = 2.0
-    extend0: bool = True
+    off_path: str = "plain"
+    off_extend: bool = True
+    v0_fix_us: float = 0.0
+    v0_seq_us: float = 0.0
     pf_attn_us_per_tok: float = 0.02
     pf_scale: float = 1.0
     jitter: float = 0.01
     rel_se: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.off_path not in OFF_PATHS:
+            raise FitError(f"latency params: off_path must be one of {', '.join(OFF_PATHS)}, got {self.off_path!r}")
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -111,12 +161,69 @@ class LatencyParams:
             return self
         changes: dict[str, Any] = {}
         for name, se in sorted(self.rel_se.items()):
-            if se > 0.0 and name not in ("p", "jitter"):
+            if se > 0.0 and name not in DECLARED and name != "jitter":
                 changes[name] = float(getattr(self, name) * math.exp(rng.normal(0.0, scale * se)))
         return replace(self, **changes)
 
 
-# --------------------------------------------------------------------------- evaluation
+DECLARED = ("p", "layers", "wave_seqs", "wave_sharpness", "d_layers")
+"""Coefficients set from the hardware and the model's shape, never fitted."""
+
+# --------------------------------------------------------------------------- the coefficient array
+#
+# Every kernel below reads its coefficients from one float64 array laid out as STEP_COEFFS
+# (``off_path`` as off_verify 0.0/1.0, ``off_extend`` as 0.0/1.0); the index constants are
+# compile-time globals for numba. tests/test_fit.py checks them against the tuple.
+
+STEP_COEFFS = (
+    "t_fix_us", "w_us", "f_us_per_tok", "p", "tok_us_per_tok", "layers",
+    "wave_seqs", "wave_sharpness",
+    "dec_fix_us", "dec_seq_us", "dec_kv1_us_per_tok", "dec_kv_us_per_tok",
+    "split_fix_us", "split_seq_us", "split_kv1_us_per_tok", "split_kv_us_per_tok", "split_q_rel",
+    "mq_fix_us", "mq_seq_us", "mq_kv1_us_per_tok", "mq_kv_us_per_tok",
+    "d_fix_us", "d_fc_us", "d_w_us", "d_f_us_per_tok", "d_tok_us_per_tok", "d_layers",
+    "oh_us", "oh_spec_us", "oh_req_us",
+    "off_verify", "off_extend", "v0_fix_us", "v0_seq_us",
+    "pf_attn_us_per_tok", "pf_scale",
+)  # fmt: skip
+(
+    I_T_FIX, I_W, I_F, I_P, I_TOK, I_LAYERS,
+    I_WAVE, I_SHARP,
+    I_DEC, I_SPLIT, I_MQ,  # first index of each kernel's (fix, seq, kv1, kv)
+    I_D_FIX, I_D_FC, I_D_W, I_D_F, I_D_TOK, I_D_LAYERS,
+    I_OH, I_OH_SPEC, I_OH_REQ,
+    I_OFF_VERIFY, I_OFF_EXTEND, I_V0_FIX, I_V0_SEQ,
+    I_PF_ATTN, I_PF_SCALE,
+) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)  # fmt: skip
+I_SPLIT_Q = I_SPLIT + 4
+
+_COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
+_COEFF_CACHE_SIZE = 16
+
+
+def _coeff_value(lp: LatencyParams, name: str) -> float:
+    if name == "off_verify":
+        return 1.0 if lp.off_path == "verify" else 0.0
+    return float(getattr(lp, name))
+
+
+def step_coeffs(lp: LatencyParams) -> np.ndarray:
+    """``lp``'s :data:`STEP_COEFFS` as a float64 array (the form the compiled kernels take).
+
+    The last few arrays are cached by identity (params are frozen), so calling
+    :func:`step_time_us` in a loop does not rebuild it each time.
+    """
+    hit = _COEFF_CACHE.get(id(lp))
+    if hit is not None and hit[0] is lp:
+        return hit[1]
+    c = np.array([_coeff_value(lp, name) for name in STEP_COEFFS], dtype=np.float64)
+    if len(_COEFF_CACHE) >= _COEFF_CACHE_SIZE:
+        del _COEFF_CACHE[next(iter(_COEFF_CACHE))]
+    _COEFF_CACHE[id(lp)] = (lp, c)
+    return c
+
+
+# --------------------------------------------------------------------------- the pass kernels
 
 
 def _gemm(w_us: Any, f_us_per_tok: Any, p: Any, n_tokens: Any) -> Any:
@@ -128,92 +235,233 @@ def _gemm(w_us: Any, f_us_per_tok: Any, p: Any, n_tokens: Any) -> Any:
 _gemm_kernel = maybe_njit(_gemm)
 
 
+@maybe_njit
+def _attn_layer(c: np.ndarray, k: int, b: float, ctx_per_seq: float) -> float:
+    """One layer of attention kernel ``k`` (index of its fix, seq, kv1, kv) over ``b`` sequences
+    of ``ctx_per_seq`` cached tokens: the first wave's sequences at kv1, the rest at kv."""
+    s = c[I_SHARP]
+    first = b / (1.0 + (b / c[I_WAVE]) ** s) ** (1.0 / s)
+    return c[k] + c[k + 1] * b + ctx_per_seq * (c[k + 2] * first + c[k + 3] * (b - first))
+
+
+@maybe_njit
+def _attn_pass(c: np.ndarray, b: float, q: float, ctx_tokens: float, kernel: int) -> float:
+    """Attention of one layer over ``b`` sequences × ``q`` new tokens, ``ctx_tokens`` cached in all.
+
+    ``kernel``: 0 the faster (as the profiled target and SGLang's backend choose), 1 the
+    decode kernel (q query rows: re-reads the KV per row group), 2 the split-KV verify kernel.
+    """
+    if b <= 0.0:
+        return 0.0
+    ctx = ctx_tokens / b
+    if q <= 1.0 and kernel != 2:
+        return _attn_layer(c, I_DEC, b, ctx)
+    split = _attn_layer(c, I_SPLIT, b, ctx) * (1.0 + c[I_SPLIT_Q] * (q - 2.0))
+    if kernel == 2:
+        return split
+    mq = _attn_layer(c, I_MQ, b, ctx)
+    if kernel == 1:
+        return mq
+    return min(split, mq)
+
+
+@maybe_njit
+def _target_pass(c: np.ndarray, b: float, q: float, ctx_tokens: float) -> float:
+    """One target forward: ``b`` sequences × ``q`` new tokens, ``ctx_tokens`` cached in all, µs."""
+    n = b * q
+    gemm = _gemm_kernel(c[I_W], c[I_F], c[I_P], n)
+    return c[I_T_FIX] + gemm + c[I_TOK] * n + c[I_LAYERS] * _attn_pass(c, b, q, ctx_tokens, 0)
+
+
+@maybe_njit
+def _draft_pass(c: np.ndarray, b: float, q: float, ctx_tokens: float, fc: bool) -> float:
+    """One draft-head forward (``fc``: the first draft step, which runs the 3→1 fusion), µs."""
+    n = b * q
+    t = c[I_D_FIX] + _gemm_kernel(c[I_D_W], c[I_D_F], c[I_P], n) + c[I_D_TOK] * n
+    t += c[I_D_LAYERS] * _attn_pass(c, b, q, ctx_tokens, 0)
+    if fc:
+        t += c[I_D_FC]
+    return t
+
+
+@maybe_njit
+def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float) -> float:
+    """``t`` plus the prefill of ``prefill_tokens`` prompt tokens (none: ``t``): one chunked pass."""
+    if prefill_tokens > 0:
+        pf = float(prefill_tokens)
+        t += c[I_T_FIX] + c[I_PF_SCALE] * (_gemm_kernel(c[I_W], c[I_F], c[I_P], pf) + c[I_TOK] * pf)
+        t += c[I_LAYERS] * c[I_DEC] + c[I_PF_ATTN] * pf
+    return t
+
+
+# --------------------------------------------------------------------------- one engine step
+#
+# The step formula of the module docstring, written once: :func:`step_time_kernel` (plain Python
+# that numba compiles). The simulator's hot path, the oracle, the goodput baseline and the fit
+# to traces (:func:`step_times_us`, the same kernel over arrays) all evaluate it, so every
+# consumer gets the same float for the same step. The order of its operations is part of the
+# simulator's definition (episodes are reproduced bit for bit): change it knowingly.
+
+
+@maybe_njit
+def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float) -> float:
+    """One engine step at ``depth`` (module docstring), µs, over :func:`step_coeffs` ``c``.
+
+    Compiled when numba is installed, and callable from other kernels of this module.
+    """
+    b = float(bs)
+    t = _with_prefill(c, c[I_OH] + c[I_OH_REQ] * b, prefill_tokens)
+    if depth > 0:
+        q = depth + 1.0
+        t += c[I_OH_SPEC]
+        t += depth * _draft_pass(c, b, 1.0, ctx_tokens, False) + c[I_D_FC]  # k draft steps, the first with fc
+        t += _target_pass(c, b, q, ctx_tokens)  # the verify pass
+        t += _draft_pass(c, b, q, ctx_tokens, False)  # draft extend over the verified tokens
+    else:
+        t += _target_pass(c, b, 1.0, ctx_tokens)
+        if c[I_OFF_VERIFY] != 0.0:  # SGLang's own depth 0: a width-1 verify and the draft extend
+            t += c[I_OH_SPEC] + c[I_V0_FIX] + c[I_V0_SEQ] * b + _draft_pass(c, b, 1.0, ctx_tokens, False)
+        elif c[I_OFF_EXTEND] != 0.0:  # the off switch, the drafter's one-token extend kept
+            t += _draft_pass(c, b, 1.0, ctx_tokens, False)
+    return float(t)
+
+
+@maybe_njit
+def step_times_kernel(
+    c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float
+) -> tuple[float, float]:
+    """:func:`step_time_kernel` at ``depth`` and at depth 0 for the same batch, in one call
+    (the simulator's step needs both: the reward compares them)."""
+    t = step_time_kernel(c, bs, depth, ctx_tokens, prefill_tokens)
+    return t, (t if depth == 0 else step_time_kernel(c, bs, 0, ctx_tokens, prefill_tokens))
+
+
+@maybe_njit
+def _step_time_array(
+    c: np.ndarray,
+    bs: np.ndarray,
+    depth: np.ndarray,
+    ctx_tokens: np.ndarray,
+    prefill_tokens: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    for i in range(len(out)):
+        out[i] = step_time_kernel(c, int(bs[i]), int(depth[i]), ctx_tokens[i], prefill_tokens[i])
+
+
+_COMPONENT_CODE = {name: i for i, name in enumerate(KNOWN_COMPONENTS)}
+
+
+@maybe_njit
+def _component_array(
+    c: np.ndarray, comp: int, b: np.ndarray, q: np.ndarray, ctx_per_seq: np.ndarray, out: np.ndarray
+) -> None:
+    """µs of one profiled component (index into :data:`KNOWN_COMPONENTS`) for each row."""
+    for i in range(len(out)):
+        bi, qi = b[i], q[i]
+        ctx = bi * ctx_per_seq[i]
+        if comp == 0:
+            out[i] = _target_pass(c, bi, qi, ctx)
+        elif comp == 1:
+            out[i] = _gemm_kernel(c[I_W], c[I_F], c[I_P], bi * qi)
+        elif comp == 2:
+            out[i] = c[I_LAYERS] * _attn_pass(c, bi, qi, ctx, 1)
+        elif comp == 3:
+            out[i] = c[I_LAYERS] * _attn_pass(c, bi, qi, ctx, 2)
+        else:
+            out[i] = _draft_pass(c, bi, qi, ctx, comp == 4)
+
+
+def _component_us(c: np.ndarray, component: str, batch: Any, q: Any, ctx_per_seq: Any) -> np.ndarray:
+    code = _COMPONENT_CODE.get(component)
+    if code is None:
+        raise FitError(f"unknown profile component {component!r}; known: {', '.join(KNOWN_COMPONENTS)}")
+    b, qq, ctx = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (batch, q, ctx_per_seq)))
+    shape = b.shape
+    b, qq, ctx = (np.ascontiguousarray(x.ravel()) for x in (b, qq, ctx))
+    out = np.empty(len(b), dtype=np.float64)
+    _component_array(c, code, b, qq, ctx, out)
+    return out.reshape(shape)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def predict_component_ms(lp: LatencyParams, component: str, batch, q, ctx) -> np.ndarray:
+    """Predict a profile row's ``median_ms`` (``ctx`` per sequence, as in the CSV)."""
+    return _component_us(step_coeffs(lp), component, batch, q, ctx) / 1000.0
+
+
 def gemm_us(lp: LatencyParams, n_tokens: np.ndarray | float) -> np.ndarray | float:
     """GEMM time of a pass over ``n_tokens`` new tokens: smooth max of weight read and compute."""
     return _gemm(lp.w_us, lp.f_us_per_tok, lp.p, n_tokens)
 
 
-def attn_us(lp: LatencyParams, batch, q, ctx_tokens, kernel: str = "best"):
-    """Attention time of a pass (all layers): KV read per cached token, verify kernel for q > 1.
+def _per_seq(batch: Any, ctx_tokens: Any) -> np.ndarray:
+    b = np.asarray(batch, dtype=np.float64)
+    return np.asarray(ctx_tokens, dtype=np.float64) / np.maximum(b, 1.0)
+
+
+def attn_us(lp: LatencyParams, batch, q, ctx_tokens, kernel: str = "best") -> np.ndarray:
+    """Attention time of a target pass (all layers), ``ctx_tokens`` cached in all.
 
     ``kernel``: ``"split"`` (the split-KV verify kernel), ``"fa2"`` (the decode kernel, which
     re-reads the KV per query row when q > 1) or ``"best"`` (the faster, as the profiled
     target and SGLang's backend selection do).
     """
-    multi = np.asarray(q) > 1
-    if kernel == "fa2":
-        base = lp.a0_us + lp.sq_us_per_seq * batch + lp.kv_us_per_ctx_tok * ctx_tokens
-        return base + np.where(multi, lp.fq_us + lp.fq_kv_us_per_ctx_tok * ctx_tokens, 0.0)
     if kernel == "best":
-        split = attn_us(lp, batch, q, ctx_tokens, "split")
-        return np.minimum(split, attn_us(lp, batch, q, ctx_tokens, "fa2"))
-    base = lp.a0_us + lp.sq_us_per_seq * batch + lp.kv_us_per_ctx_tok * ctx_tokens
-    extra = (
-        lp.aq_us
-        + lp.sqq_us_per_seq * batch
-        + lp.kvq_us_per_ctx_tok * ctx_tokens
-        + lp.kvs_us_per_ctx_tok * (np.asarray(q) - 2) * ctx_tokens
-    )
-    return base + np.where(multi, extra, 0.0)
+        return np.minimum(attn_us(lp, batch, q, ctx_tokens, "fa2"), attn_us(lp, batch, q, ctx_tokens, "split"))
+    comp = "target_attn_fa2" if kernel == "fa2" else "target_attn_split"
+    out = _component_us(step_coeffs(lp), comp, batch, q, _per_seq(batch, ctx_tokens))
+    if kernel == "split":  # the split kernel never runs a plain decode; "best" at q = 1 is fa2
+        out = np.where(np.broadcast_to(np.asarray(q), np.shape(out)) > 1, out, np.inf)
+    return out
 
 
-def target_us(lp: LatencyParams, batch, q, ctx_tokens):
+def target_us(lp: LatencyParams, batch, q, ctx_tokens) -> np.ndarray:
     """One target forward: ``batch`` sequences × ``q`` new tokens, ``ctx_tokens`` cached in all."""
-    n = np.asarray(batch) * np.asarray(q)
-    return lp.t_fix_us + gemm_us(lp, n) + lp.tok_us_per_tok * n + attn_us(lp, batch, q, ctx_tokens)
+    return _component_us(step_coeffs(lp), "target", batch, q, _per_seq(batch, ctx_tokens))
 
 
-def draft_us(lp: LatencyParams, batch, q, ctx_tokens, fc: bool | np.ndarray = False):
+def draft_us(lp: LatencyParams, batch, q, ctx_tokens, fc: bool = False) -> np.ndarray:
     """One draft-head forward (``fc``: the first draft step, which runs the 3→1 fusion)."""
-    n = np.asarray(batch) * np.asarray(q)
-    return (
-        lp.d_fix_us
-        + np.where(fc, lp.d_fc_us, 0.0)
-        + lp.d_tok_us_per_tok * n
-        + lp.d_kv_us_per_ctx_tok * ctx_tokens
+    comp = "draft" if fc else "draft_nofc"
+    return _component_us(step_coeffs(lp), comp, batch, q, _per_seq(batch, ctx_tokens))
+
+
+def step_time_us(
+    lp: LatencyParams, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float = 0.0
+) -> float:
+    """Expected wall time of one engine step (decode/verify at ``depth`` plus prefill), µs."""
+    return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens)
+
+
+def prefill_us(lp: LatencyParams, prefill_tokens: float) -> float:
+    """Time of prefilling ``prefill_tokens`` prompt tokens between two decode steps, µs."""
+    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens)
+
+
+def step_times_us(lp: LatencyParams, bs: Any, depth: Any, ctx_tokens: Any, prefill_tokens: Any) -> np.ndarray:
+    """:func:`step_time_us` of every step of arrays of steps (for fitting to traces)."""
+    bs, depth, ctx_tokens, prefill_tokens = (
+        np.ascontiguousarray(x, dtype=np.float64) for x in (bs, depth, ctx_tokens, prefill_tokens)
     )
-
-
-def predict_component_ms(lp: LatencyParams, component: str, batch, q, ctx) -> np.ndarray:
-    """Predict a profile row's ``median_ms`` (``ctx`` per sequence, as in the CSV)."""
-    batch = np.asarray(batch, dtype=float)
-    q = np.asarray(q, dtype=float)
-    c = batch * np.asarray(ctx, dtype=float)
-    if component == "target":
-        us = target_us(lp, batch, q, c)
-    elif component == "target_gemm":
-        us = gemm_us(lp, batch * q)
-    elif component == "target_attn_fa2":
-        us = attn_us(lp, batch, q, c, "fa2")
-    elif component == "target_attn_split":
-        us = attn_us(lp, batch, q, c, "split")
-    elif component == "draft":
-        us = draft_us(lp, batch, q, c, True)
-    elif component == "draft_nofc":
-        us = draft_us(lp, batch, q, c, False)
-    else:
-        raise FitError(f"unknown profile component {component!r}; known: {', '.join(KNOWN_COMPONENTS)}")
-    return np.asarray(us, dtype=float) / 1000.0
+    out = np.empty(len(bs), dtype=np.float64)
+    _step_time_array(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens, out)
+    return out
 
 
 # --------------------------------------------------------------------------- fitting
 
-_TARGET_NAMES = (
-    "t_fix_us",
-    "w_us",
-    "f_us_per_tok",
-    "tok_us_per_tok",
-    "a0_us",
-    "sq_us_per_seq",
-    "kv_us_per_ctx_tok",
-    "aq_us",
-    "sqq_us_per_seq",
-    "kvq_us_per_ctx_tok",
-    "kvs_us_per_ctx_tok",
-    "fq_us",
-    "fq_kv_us_per_ctx_tok",
-)
-_DRAFT_NAMES = ("d_fix_us", "d_fc_us", "d_tok_us_per_tok", "d_kv_us_per_ctx_tok")
+PASS_NAMES = (
+    "t_fix_us", "w_us", "f_us_per_tok", "tok_us_per_tok",
+    "dec_fix_us", "dec_seq_us", "dec_kv1_us_per_tok", "dec_kv_us_per_tok",
+    "split_fix_us", "split_seq_us", "split_kv1_us_per_tok", "split_kv_us_per_tok", "split_q_rel",
+    "mq_fix_us", "mq_seq_us", "mq_kv1_us_per_tok", "mq_kv_us_per_tok",
+    "d_fix_us", "d_fc_us", "d_w_us", "d_f_us_per_tok", "d_tok_us_per_tok",
+)  # fmt: skip
+"""The pass-level coefficients a profile measures (the overheads and depth-0 paths it cannot)."""
+KV_NAMES = tuple(n for n in PASS_NAMES if "_kv" in n)
 
 
 def _rows(df, component: str):
@@ -226,100 +474,75 @@ def _rows(df, component: str):
     )
 
 
-def fit_profile(df, base: LatencyParams | None = None) -> tuple[LatencyParams, dict[str, float]]:
-    """Fit the pass-level coefficients to profile rows by least squares on log time.
+def fit_profile(
+    df, base: LatencyParams | None = None, kv_floor_us_per_tok: float = H200_8B_KV_FLOOR_US_PER_TOK
+) -> tuple[LatencyParams, dict[str, float]]:
+    """Fit the pass-level coefficients (:data:`PASS_NAMES`) to profile rows, least squares on log time.
 
-    The target's coefficients are fitted jointly to ``target`` rows and, where present, the
-    ``target_gemm`` and ``target_attn_*`` decompositions (which pin the weight-read, compute
-    and KV-read terms separately, so the fit extrapolates by physics rather than by curve
-    shape). The attention rows use the faster of the two kernels at each shape, as the
-    profiled target did. Draft coefficients are fitted to ``draft``/``draft_nofc`` rows.
+    All components are fitted jointly: ``target`` rows with the ``target_gemm`` and
+    ``target_attn_*`` decompositions (which pin the weight-read, compute and KV-read terms
+    apart) and the ``draft``/``draft_nofc`` rows, whose attention is the target's per-layer
+    attention (one formula, ``d_layers`` wide). The declared terms (:data:`DECLARED`) stay as
+    ``base`` has them; every per-token KV coefficient is at least ``kv_floor_us_per_tok`` (the
+    copy-bandwidth floor of one layer's KV per token).
 
     Args:
         df: a DataFrame with :data:`PROFILE_COLUMNS`.
-        base: coefficients to keep for terms the rows cannot identify (overheads, prefill).
+        base: coefficients to keep for terms the rows cannot identify (overheads, prefill,
+            depth 0, the declared hardware terms).
+        kv_floor_us_per_tok: lower bound of the KV coefficients (µs per token per layer).
 
     Returns:
         The fitted params (with ``rel_se`` from the Jacobian) and the fitted-row MAPE per
         component.
 
     Raises:
-        FitError: no target rows, or a fit that does not converge.
+        FitError: fewer than 6 target rows, or a fit that does not converge.
     """
     from scipy.optimize import least_squares
 
     base = base or LatencyParams()
-    tb, tq, tc, tm = _rows(df, "target")
-    if len(tm) < 6:
-        raise FitError(f"profile: {len(tm)} 'target' rows; at least 6 are needed to fit the latency model")
-    gb, gq, _, gm = _rows(df, "target_gemm")
-    # Larger passes weigh more (∝ time^SIZE_WEIGHT_EXP): they are the sustained, bandwidth-
-    # or compute-bound regime that extrapolation to larger batches and contexts continues.
-    tw = (tm / np.median(tm)) ** SIZE_WEIGHT_EXP
-    fb, fq, fc, fm = _rows(df, "target_attn_fa2")
-    sb, sq, sc, sm = _rows(df, "target_attn_split")
-
-    x0 = np.array([getattr(base, n) for n in _TARGET_NAMES] + [base.p], dtype=float)
+    if len(df[df["component"] == "target"]) < 6:
+        raise FitError(
+            f"profile: {len(df[df['component'] == 'target'])} 'target' rows; at least 6 are needed "
+            "to fit the latency model"
+        )
+    groups = [
+        (comp, _COMPONENT_CODE[comp], COMPONENT_WEIGHT[comp], *_rows(df, comp))
+        for comp in KNOWN_COMPONENTS
+        if (df["component"] == comp).any()
+    ]
+    c0 = step_coeffs(base).copy()
+    idx = np.array([STEP_COEFFS.index(n) for n in PASS_NAMES])
+    x0 = np.array([getattr(base, n) for n in PASS_NAMES], dtype=float)
+    kv = np.array([n in KV_NAMES for n in PASS_NAMES])
+    x0[kv] = np.maximum(x0[kv], kv_floor_us_per_tok * 1.05)
     scale = np.maximum(np.abs(x0), 1e-4)
 
-    def unpack(z: np.ndarray) -> LatencyParams:
-        x = z * scale
-        kw: dict[str, Any] = dict(zip(_TARGET_NAMES, (float(v) for v in x[:-1])))
-        return replace(base, **kw, p=float(x[-1]))
+    def coeffs(z: np.ndarray) -> np.ndarray:
+        c = c0.copy()
+        c[idx] = z * scale
+        return c
 
     def resid(z: np.ndarray) -> np.ndarray:
-        lp = unpack(z)
-        parts = [tw * np.log(predict_component_ms(lp, "target", tb, tq, tc) / tm)]
-        if len(gm):
-            parts.append(0.5 * np.log(predict_component_ms(lp, "target_gemm", gb, gq, 0.0) / gm))
-        if len(fm):
-            parts.append(ATTN_WEIGHT * np.log(predict_component_ms(lp, "target_attn_fa2", fb, fq, fc) / fm))
-        if len(sm):
-            parts.append(ATTN_WEIGHT * np.log(predict_component_ms(lp, "target_attn_split", sb, sq, sc) / sm))
+        c = coeffs(z)
+        parts = []
+        for _, code, weight, b, q, ctx, ms in groups:
+            out = np.empty(len(b))
+            _component_array(c, code, b, q, ctx, out)
+            parts.append(weight * np.log(np.maximum(out, 1e-9) / 1000.0 / ms))
         return np.concatenate(parts)
 
-    lo = np.zeros(len(x0))
-    lo[-1] = 1.0 / scale[-1]
-    hi = np.full(len(x0), np.inf)
-    hi[-1] = 16.0 / scale[-1]
+    lo = np.where(kv, kv_floor_us_per_tok, 0.0) / scale
     sol = least_squares(
-        resid,
-        x0 / scale,
-        bounds=(lo, hi),
-        method="trf",
-        x_scale="jac",
-        max_nfev=4000,
-        loss=TARGET_LOSS,
-        f_scale=0.03,
+        resid, x0 / scale, bounds=(lo, np.full(len(x0), np.inf)), method="trf", x_scale="jac", max_nfev=4000
     )
     if not np.all(np.isfinite(sol.x)):
         raise FitError("profile: latency fit did not converge (non-finite coefficients)")
-    lp = unpack(sol.x)
-    rel_se = _rel_se(sol, _TARGET_NAMES + ("p",), sol.x)
-
-    db, dq, dc, dm = _rows(df, "draft")
-    nb, nq, nc, nm = _rows(df, "draft_nofc")
-    if len(dm) + len(nm) >= 4:
-        xd0 = np.array([getattr(base, n) for n in _DRAFT_NAMES], dtype=float)
-        sd = np.maximum(np.abs(xd0), 1e-5)
-
-        def unpack_d(z: np.ndarray) -> LatencyParams:
-            kw: dict[str, Any] = dict(zip(_DRAFT_NAMES, (float(v) for v in z * sd)))
-            return replace(lp, **kw)
-
-        def resid_d(z: np.ndarray) -> np.ndarray:
-            p = unpack_d(z)
-            return np.concatenate(
-                [
-                    np.log(predict_component_ms(p, "draft", db, dq, dc) / dm),
-                    np.log(predict_component_ms(p, "draft_nofc", nb, nq, nc) / nm),
-                ]
-            )
-
-        sold = least_squares(resid_d, xd0 / sd, bounds=(0.0, np.inf), method="trf", x_scale="jac")
-        lp = unpack_d(sold.x)
-        rel_se.update(_rel_se(sold, _DRAFT_NAMES, sold.x))
-    lp = replace(lp, rel_se=rel_se)
+    x = sol.x * scale
+    fitted: dict[str, Any] = {n: float(v) for n, v in zip(PASS_NAMES, x)}
+    lp = replace(base, **fitted)
+    lp = replace(lp, rel_se=_rel_se(sol, PASS_NAMES, sol.x))
     return lp, profile_mape(lp, df)
 
 
@@ -349,6 +572,24 @@ def profile_mape(lp: LatencyParams, df) -> dict[str, float]:
         b, q, c, m = _rows(df, comp)
         pred = predict_component_ms(lp, comp, b, q, c)
         out[comp] = float(np.mean(np.abs(pred - m) / m) * 100.0)
+    return out
+
+
+def profile_errors(lp: LatencyParams, df):
+    """Per row of ``df``: ``predicted_ms`` and ``err_pct``, and ``part`` — the component, with
+    ``target`` split into ``target decode`` (q = 1) and ``target verify`` (q > 1)."""
+    out = df[df["component"].isin(KNOWN_COMPONENTS)].copy()
+    pred = np.empty(len(out))
+    for comp in set(out["component"]):
+        mask = (out["component"] == comp).to_numpy()
+        sub = out[mask]
+        pred[mask] = predict_component_ms(lp, comp, sub["batch"], sub["q"], sub["ctx"])
+    out["predicted_ms"] = pred
+    out["err_pct"] = (pred / out["median_ms"].to_numpy() - 1.0) * 100.0
+    part = out["component"].astype(str).to_numpy().copy()
+    tgt = part == "target"
+    part[tgt] = np.where(out["q"].to_numpy()[tgt] > 1, "target verify", "target decode")
+    out["part"] = part
     return out
 
 
@@ -383,147 +624,3 @@ def read_profile(path: str):
         df[c] = vals
     df["component"] = df["component"].astype(str)
     return df
-
-
-# --------------------------------------------------------------------------- one engine step
-#
-# The step formula of the module docstring, written once: :func:`step_time_kernel` (plain Python
-# that numba compiles). The simulator's hot path, the oracle, the goodput baseline and the fit
-# to traces (:func:`step_times_us`, the same kernel over arrays) all evaluate it, so every
-# consumer gets the same float for the same step. The order of its operations is part of the
-# simulator's definition (episodes are reproduced bit for bit): change it knowingly.
-
-# The coefficients the step kernels read, in the order they unpack them (``extend0`` as 0.0/1.0);
-# tests/test_fit.py checks the unpacking against this tuple.
-STEP_COEFFS = (
-    "t_fix_us",
-    "w_us",
-    "f_us_per_tok",
-    "p",
-    "tok_us_per_tok",
-    "a0_us",
-    "sq_us_per_seq",
-    "kv_us_per_ctx_tok",
-    "aq_us",
-    "sqq_us_per_seq",
-    "kvq_us_per_ctx_tok",
-    "kvs_us_per_ctx_tok",
-    "fq_us",
-    "fq_kv_us_per_ctx_tok",
-    "d_fix_us",
-    "d_fc_us",
-    "d_tok_us_per_tok",
-    "d_kv_us_per_ctx_tok",
-    "oh_us",
-    "oh_spec_us",
-    "oh_req_us",
-    "extend0",
-    "pf_attn_us_per_tok",
-    "pf_scale",
-)
-_COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
-_COEFF_CACHE_SIZE = 16
-
-
-def step_coeffs(lp: LatencyParams) -> np.ndarray:
-    """``lp``'s :data:`STEP_COEFFS` as a float64 array (the form the compiled kernels take).
-
-    The last few arrays are cached by identity (params are frozen), so calling
-    :func:`step_time_us` in a loop does not rebuild it each time.
-    """
-    hit = _COEFF_CACHE.get(id(lp))
-    if hit is not None and hit[0] is lp:
-        return hit[1]
-    c = np.array([float(getattr(lp, name)) for name in STEP_COEFFS], dtype=np.float64)
-    if len(_COEFF_CACHE) >= _COEFF_CACHE_SIZE:
-        del _COEFF_CACHE[next(iter(_COEFF_CACHE))]
-    _COEFF_CACHE[id(lp)] = (lp, c)
-    return c
-
-
-def step_time_us(
-    lp: LatencyParams, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float = 0.0
-) -> float:
-    """Expected wall time of one engine step (decode/verify at ``depth`` plus prefill), µs."""
-    return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens)
-
-
-def prefill_us(lp: LatencyParams, prefill_tokens: float) -> float:
-    """Time of prefilling ``prefill_tokens`` prompt tokens between two decode steps, µs."""
-    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens)
-
-
-def step_times_us(lp: LatencyParams, bs: Any, depth: Any, ctx_tokens: Any, prefill_tokens: Any) -> np.ndarray:
-    """:func:`step_time_us` of every step of arrays of steps (for fitting to traces)."""
-    bs, depth, ctx_tokens, prefill_tokens = (
-        np.ascontiguousarray(x, dtype=np.float64) for x in (bs, depth, ctx_tokens, prefill_tokens)
-    )
-    out = np.empty(len(bs), dtype=np.float64)
-    _step_time_array(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens, out)
-    return out
-
-
-@maybe_njit
-def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float) -> float:
-    """``t`` plus the prefill of ``prefill_tokens`` prompt tokens (none: ``t``): one chunked pass."""
-    (t_fix_us, w_us, f_us_per_tok, p, tok_us_per_tok, a0_us, sq_us_per_seq, kv_us_per_ctx_tok,
-     aq_us, sqq_us_per_seq, kvq_us_per_ctx_tok, kvs_us_per_ctx_tok, fq_us, fq_kv_us_per_ctx_tok,
-     d_fix_us, d_fc_us, d_tok_us_per_tok, d_kv_us_per_ctx_tok, oh_us, oh_spec_us, oh_req_us,
-     extend0, pf_attn_us_per_tok, pf_scale) = c  # fmt: skip
-    if prefill_tokens > 0:
-        pf = float(prefill_tokens)
-        t += t_fix_us + pf_scale * (_gemm_kernel(w_us, f_us_per_tok, p, pf) + tok_us_per_tok * pf)
-        t += a0_us + pf_attn_us_per_tok * pf
-    return t
-
-
-@maybe_njit
-def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float) -> float:
-    """One engine step at ``depth`` (module docstring), µs, over :func:`step_coeffs` ``c``.
-
-    Compiled when numba is installed, and callable from other kernels of this module.
-    """
-    (t_fix_us, w_us, f_us_per_tok, p, tok_us_per_tok, a0_us, sq_us_per_seq, kv_us_per_ctx_tok,
-     aq_us, sqq_us_per_seq, kvq_us_per_ctx_tok, kvs_us_per_ctx_tok, fq_us, fq_kv_us_per_ctx_tok,
-     d_fix_us, d_fc_us, d_tok_us_per_tok, d_kv_us_per_ctx_tok, oh_us, oh_spec_us, oh_req_us,
-     extend0, pf_attn_us_per_tok, pf_scale) = c  # fmt: skip
-    t = _with_prefill(c, oh_us + oh_req_us * bs, prefill_tokens)
-    attn0 = a0_us + sq_us_per_seq * bs + kv_us_per_ctx_tok * ctx_tokens  # attention, any q
-    draft_pass = d_fix_us + d_kv_us_per_ctx_tok * ctx_tokens  # one draft pass, per-token work aside
-    if depth > 0:
-        q = depth + 1
-        n = bs * q
-        t += oh_spec_us
-        t += depth * (draft_pass + d_tok_us_per_tok * bs) + d_fc_us  # k draft steps, the first with fc
-        t += t_fix_us + _gemm_kernel(w_us, f_us_per_tok, p, n) + tok_us_per_tok * n  # the verify pass
-        split = aq_us + sqq_us_per_seq * bs + (kvq_us_per_ctx_tok + kvs_us_per_ctx_tok * (q - 2)) * ctx_tokens
-        t += attn0 + min(split, fq_us + fq_kv_us_per_ctx_tok * ctx_tokens)  # the faster verify kernel
-        t += draft_pass + d_tok_us_per_tok * n  # draft extend over the verified tokens
-    else:
-        t += t_fix_us + _gemm_kernel(w_us, f_us_per_tok, p, bs) + tok_us_per_tok * bs + attn0
-        if extend0 != 0.0:
-            t += draft_pass + d_tok_us_per_tok * bs
-    return float(t)
-
-
-@maybe_njit
-def step_times_kernel(
-    c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float
-) -> tuple[float, float]:
-    """:func:`step_time_kernel` at ``depth`` and at depth 0 for the same batch, in one call
-    (the simulator's step needs both: the reward compares them)."""
-    t = step_time_kernel(c, bs, depth, ctx_tokens, prefill_tokens)
-    return t, (t if depth == 0 else step_time_kernel(c, bs, 0, ctx_tokens, prefill_tokens))
-
-
-@maybe_njit
-def _step_time_array(
-    c: np.ndarray,
-    bs: np.ndarray,
-    depth: np.ndarray,
-    ctx_tokens: np.ndarray,
-    prefill_tokens: np.ndarray,
-    out: np.ndarray,
-) -> None:
-    for i in range(len(out)):
-        out[i] = step_time_kernel(c, bs[i], depth[i], ctx_tokens[i], prefill_tokens[i])

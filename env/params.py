@@ -16,20 +16,60 @@ import numpy as np
 
 from env.acceptance import AcceptanceParams
 from env.errors import FitError
-from env.latency import LatencyParams
+from env.latency import KV_NAMES, LatencyParams
 from env.workload import WorkloadParams
 
-SIM_FORMAT = 1
+SIM_FORMAT = 2
+# Format 1 had one linear KV term and ``extend0``; its files cannot be read as format 2.
+_OLD_FORMATS = {1: "the single-KV-term latency model (before the per-kernel attention and off_path)"}
 
 
 @dataclass(frozen=True)
 class EngineParams:
-    """Scheduler limits of the modelled SGLang server."""
+    """Scheduler limits and memory of the modelled SGLang server.
+
+    ``kv_budget_tokens`` is what the KV pool holds *without* a drafter, in target tokens. A
+    speculating server also keeps the drafter's weights and the drafter's KV for every cached
+    token in the same pool (measured on the H200, SGLang 0.5.17, 8B shape: 1.04 GB of weights,
+    4 KB of draft KV per token against the target's 128 KB, i.e. 3.1%;
+    ``bench/results/realgpu/offswitch/README.md``), so it holds fewer tokens:
+    :attr:`spec_kv_budget_tokens`, which the engine admits against. Zero drafter bytes: a
+    deployment without a drafter.
+
+    ``prefix_cache_hit``: the fraction of each prompt SGLang's radix cache already holds (not
+    prefilled, still cached context); a benchmark that warms its prompts first runs near 1.
+    ``request_latency_us`` / ``request_serial_us``: the server's request path before the
+    scheduler (HTTP, tokenizer): each request reaches the waiting queue that long after it was
+    sent, and at most one per ``request_serial_us`` (0, 0: at once, as before). The hook never
+    sees it; the client's TTFT does.
+    """
 
     max_running_requests: int = 256
     kv_budget_tokens: int = 400_000
     chunked_prefill_tokens: int = 8192
     instance: str = "sim-0"
+    kv_bytes_per_token: float = 131072.0
+    draft_kv_bytes_per_token: float = 0.0
+    draft_weight_bytes: float = 0.0
+    prefix_cache_hit: float = 0.0
+    request_latency_us: int = 0
+    request_serial_us: int = 0
+
+    @property
+    def spec_kv_budget_tokens(self) -> int:
+        """Target tokens the pool holds once the drafter's weights and KV are carried."""
+        if self.draft_kv_bytes_per_token <= 0.0 and self.draft_weight_bytes <= 0.0:
+            return self.kv_budget_tokens
+        pool = self.kv_budget_tokens * self.kv_bytes_per_token - self.draft_weight_bytes
+        return max(0, int(pool // (self.kv_bytes_per_token + self.draft_kv_bytes_per_token)))
+
+    def plain_budget_for(self, spec_budget_tokens: int) -> int:
+        """The inverse of :attr:`spec_kv_budget_tokens`: the drafter-free budget of a pool that
+        holds ``spec_budget_tokens`` with this drafter (for budgets read off a speculating server)."""
+        if self.draft_kv_bytes_per_token <= 0.0 and self.draft_weight_bytes <= 0.0:
+            return int(spec_budget_tokens)
+        pool = spec_budget_tokens * (self.kv_bytes_per_token + self.draft_kv_bytes_per_token)
+        return int(math.ceil((pool + self.draft_weight_bytes) / self.kv_bytes_per_token))
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -67,6 +107,11 @@ class SimParams:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "sim params") -> SimParams:
+        if isinstance(d, dict) and d.get("format") in _OLD_FORMATS:
+            raise FitError(
+                f"{where}: simulator parameter file of format {d['format']} ({_OLD_FORMATS[d['format']]}); "
+                f"this simulator reads format {SIM_FORMAT}: refit it (controller fit) or rebuild the deployment"
+            )
         if not isinstance(d, dict) or d.get("format") != SIM_FORMAT:
             raise FitError(f"{where}: not a simulator parameter file of format {SIM_FORMAT}")
         try:
@@ -114,7 +159,7 @@ class SimParams:
             lat,
             **{
                 n: getattr(lat, n) * common
-                for n in ("t_fix_us", "w_us", "f_us_per_tok", "tok_us_per_tok", "kv_us_per_ctx_tok", "oh_us")
+                for n in ("t_fix_us", "w_us", "f_us_per_tok", "tok_us_per_tok", "oh_us", *KV_NAMES)
             },
         )
         return replace(self, latency=lat, acceptance=self.acceptance.perturb(rng, scale))

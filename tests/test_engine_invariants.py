@@ -199,3 +199,26 @@ def test_depth_beyond_the_acceptance_model_is_refused(h200):
     with pytest.raises(ConfigError, match="0..64"):
         eng.step(-1)
     assert eng.step(2).seq == seq  # a refused step changed nothing
+
+
+def test_invariants_hold_with_the_request_path_prefix_cache_and_drafter_memory(h200):
+    # The long-context deployment (the pool binds), a prefix cache and the HTTP/tokenizer path:
+    # tokens still conserved, KV within the drafter-reduced budget, and no request served
+    # before it passed the request path.
+    longctx = load_deployment("h200-llama8b-longctx")
+    eng_p = replace(
+        longctx.engine, prefix_cache_hit=0.5, request_latency_us=8000, request_serial_us=700, max_running_requests=64
+    )
+    params = replace(longctx, engine=eng_p)
+    eng = Engine(params, "closed:80")
+    eng.reset(1)
+    recs = _run(eng, 1500)
+    budget = eng_p.spec_kv_budget_tokens
+    assert budget < eng_p.kv_budget_tokens  # the drafter's weights and KV are carried
+    assert eng.kv_used <= eng.kv_reserved <= budget
+    assert max(r.kv_usage for r in recs) > 0.9  # the budget binds before the running limit
+    assert max(r.bs for r in recs) < 64
+    state = eng.running_state()
+    received = sum(c.output_tokens for c in eng.completed) + int(state["emitted"].sum())
+    assert sum(r.bs + sum(r.accept) for r in recs) == eng.tokens_emitted == received
+    assert eng.completed and all(c.first_token_us - c.arrival_us >= 8000 for c in eng.completed)

@@ -78,10 +78,13 @@ def test_fit_recovers_the_deployment_from_its_own_traces():
     params, report = fit_sim(str(EXAMPLES / "h200-llama8b"), [])
     assert report.step_mape_holdout is not None and report.step_mape_holdout < 5.0
     assert report.accept_tv_fit is not None and report.accept_tv_fit < 0.05
+    # The traces' requests longer than ctx_ref_tokens accept less (the fall with context), which
+    # step records cannot attribute to requests (their mean length stays below it): the fit reads
+    # that as a slightly worse drafter, hence 0.12 rather than the 0.1 of a context-free model.
     for d in (1, 3, 5):
         assert (
             np.abs(accept_length_pmf(params.acceptance, d) - accept_length_pmf(truth.acceptance, d)).sum()
-            < 0.1
+            < 0.12
         )
     assert abs(params.engine.kv_budget_tokens / truth.engine.kv_budget_tokens - 1) < 0.01
     assert "fitted" in str(report)
@@ -212,15 +215,15 @@ def test_example_traces_are_labelled_simulated():
 
 
 def _composed_step_us(lp, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float) -> float:
-    """The step formula of env/latency.py's docstring, composed here from the profile's pass
-    terms: a second derivation to check the one step kernel against (not bit for bit: the
-    kernel groups the same terms in another order)."""
+    """The step formula of env/latency.py's docstring, composed here from the pass terms: a
+    second derivation to check the one step kernel against (not bit for bit: the kernel
+    groups the same terms in another order)."""
     from env.latency import draft_us, gemm_us, target_us
 
     t = lp.oh_us + lp.oh_req_us * bs
     if prefill_tokens > 0:
         p = float(prefill_tokens)
-        t += lp.t_fix_us + lp.pf_scale * (gemm_us(lp, p) + lp.tok_us_per_tok * p) + lp.a0_us
+        t += lp.t_fix_us + lp.pf_scale * (gemm_us(lp, p) + lp.tok_us_per_tok * p) + lp.layers * lp.dec_fix_us
         t += lp.pf_attn_us_per_tok * p
     if depth > 0:
         t += lp.oh_spec_us + float(draft_us(lp, bs, 1, ctx_tokens, True))
@@ -228,7 +231,9 @@ def _composed_step_us(lp, bs: int, depth: int, ctx_tokens: float, prefill_tokens
         t += float(target_us(lp, bs, depth + 1, ctx_tokens)) + float(draft_us(lp, bs, depth + 1, ctx_tokens))
     else:
         t += float(target_us(lp, bs, 1, ctx_tokens))
-        if lp.extend0:
+        if lp.off_path == "verify":
+            t += lp.oh_spec_us + lp.v0_fix_us + lp.v0_seq_us * bs + float(draft_us(lp, bs, 1, ctx_tokens))
+        elif lp.off_extend:
             t += float(draft_us(lp, bs, 1, ctx_tokens, False))
     return t
 
@@ -241,35 +246,44 @@ def test_the_step_kernel_agrees_with_the_pass_terms_and_over_arrays():
     d = rng.choice([0, 1, 2, 3, 5, 7], 100)
     c = bs * rng.integers(10, 9000, 100)
     pf = rng.choice([0, 0, 100, 5000], 100)
-    for name in ("h200-llama8b", "seed"):
-        lp = load_deployment(name).latency
-        ref = np.array(
-            [_composed_step_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)]
-        )
-        one = np.array(
-            [step_time_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)]
-        )
-        np.testing.assert_allclose(one, ref, rtol=1e-12)
-        assert np.array_equal(step_times_us(lp, bs, d, c, pf), one)  # the same kernel, the same floats
-        assert prefill_us(lp, 0) == 0.0
-        assert step_time_us(lp, 8, 3, 8000.0, 512) - step_time_us(lp, 8, 3, 8000.0) == pytest.approx(
-            prefill_us(lp, 512), rel=1e-12
-        )
+    for name in ("h200-llama8b", "h200-70b", "seed"):
+        for off in ("plain", "verify"):
+            lp = replace(load_deployment(name).latency, off_path=off)
+            ref = np.array(
+                [_composed_step_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)]
+            )
+            one = np.array(
+                [step_time_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)]
+            )
+            np.testing.assert_allclose(one, ref, rtol=1e-12)
+            assert np.array_equal(step_times_us(lp, bs, d, c, pf), one)  # the same kernel, the same floats
+            assert prefill_us(lp, 0) == 0.0
+            assert step_time_us(lp, 8, 3, 8000.0, 512) - step_time_us(lp, 8, 3, 8000.0) == pytest.approx(
+                prefill_us(lp, 512), rel=1e-12
+            )
 
 
-def test_the_step_kernel_unpacks_the_coefficients_in_step_coeffs_order():
-    import ast
-    import inspect
-
+def test_the_coefficient_indices_name_step_coeffs():
     from env import latency
 
-    for kernel in (latency.step_time_kernel, latency._with_prefill):
-        src = inspect.getsource(getattr(kernel, "py_func", kernel))
-        unpack = next(
-            node
-            for node in ast.walk(ast.parse(src))
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "c"
-        )
-        target = unpack.targets[0]
-        assert isinstance(target, ast.Tuple)
-        assert tuple(n.id for n in target.elts if isinstance(n, ast.Name)) == latency.STEP_COEFFS
+    named = {
+        "I_T_FIX": "t_fix_us", "I_W": "w_us", "I_F": "f_us_per_tok", "I_P": "p", "I_TOK": "tok_us_per_tok",
+        "I_LAYERS": "layers", "I_WAVE": "wave_seqs", "I_SHARP": "wave_sharpness", "I_DEC": "dec_fix_us",
+        "I_SPLIT": "split_fix_us", "I_SPLIT_Q": "split_q_rel", "I_MQ": "mq_fix_us", "I_D_FIX": "d_fix_us",
+        "I_D_FC": "d_fc_us", "I_D_W": "d_w_us", "I_D_F": "d_f_us_per_tok", "I_D_TOK": "d_tok_us_per_tok",
+        "I_D_LAYERS": "d_layers", "I_OH": "oh_us", "I_OH_SPEC": "oh_spec_us", "I_OH_REQ": "oh_req_us",
+        "I_OFF_VERIFY": "off_verify", "I_OFF_EXTEND": "off_extend", "I_V0_FIX": "v0_fix_us",
+        "I_V0_SEQ": "v0_seq_us", "I_PF_ATTN": "pf_attn_us_per_tok", "I_PF_SCALE": "pf_scale",
+    }  # fmt: skip
+    for const, name in named.items():
+        assert latency.STEP_COEFFS[getattr(latency, const)] == name, const
+    for k in ("dec", "split", "mq"):  # each kernel's four per-layer terms in order
+        i = getattr(latency, f"I_{k.upper()}")
+        assert latency.STEP_COEFFS[i : i + 4] == (
+            f"{k}_fix_us", f"{k}_seq_us", f"{k}_kv1_us_per_tok", f"{k}_kv_us_per_tok"
+        )  # fmt: skip
+    lp = load_deployment("h200-llama8b").latency
+    c = latency.step_coeffs(lp)
+    for i, name in enumerate(latency.STEP_COEFFS):
+        want = (lp.off_path == "verify") if name == "off_verify" else getattr(lp, name)
+        assert c[i] == float(want), name
