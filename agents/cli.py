@@ -37,8 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     t.add_argument("--n-envs", type=int, default=None, help="parallel simulator copies (in-process)")
     t.add_argument("--depths", default=None, help="allowed depths, e.g. 0,1,2,3,5")
     t.add_argument("--warm-start-rounds", type=int, default=None, help="DAgger rounds before PPO (0 = none)")
-    t.add_argument("--reward", choices=("regret", "extra-tokens"), default=None, help="training reward")
-    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0 for the regret reward)")
+    t.add_argument(
+        "--reward",
+        choices=("objective", "regret", "extra-tokens"),
+        default=None,
+        help="training reward (default objective: tokens per request-second over time, γ > 0)",
+    )
+    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.9)")
     t.add_argument(
         "--drafter-mix",
         type=float,
@@ -80,6 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         help="run each seed on a world drawn around the fit at this × its standard errors "
         "(default 0; suites set their own)",
+    )
+    e.add_argument(
+        "--only", default=None, help="with --suite: run the scenarios whose name contains one of these"
     )
     e.set_defaults(func=_eval)
 

@@ -100,6 +100,7 @@ class EvalConfig:
     trace_policies: tuple[str, ...] = ("ppo", "sglang-adaptive", "goodput-fit", "oracle")
     suite: str | None = None
     perturb: float = 0.0
+    only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Checked here, before any simulation: a bad value must not surface hours (or a progress
@@ -146,6 +147,7 @@ class EvalConfig:
             depths=depths,
             suite=getattr(args, "suite", None),
             perturb=getattr(args, "perturb", None) or 0.0,
+            only=tuple(x for x in (getattr(args, "only", None) or "").split(",") if x),
         )
 
 
@@ -526,6 +528,10 @@ def evaluate_suite(cfg: EvalConfig) -> Path:
     from env.workload import parse_workload
 
     scenarios = get_suite(cfg.suite or "")
+    if cfg.only:
+        scenarios = tuple(sc for sc in scenarios if any(x in sc.name for x in cfg.only))
+        if not scenarios:
+            raise ConfigError(f"--only {','.join(cfg.only)}: no scenario of {cfg.suite} matches")
     seeds = suite_seeds(cfg.seeds)
     zips = [p for p in cfg.policies if p.endswith(".zip")]
     depths = cfg.depths
