@@ -717,12 +717,14 @@ def _report(
         f"action delay {cfg.delay[0]}–{cfg.delay[1]} steps",
         f"- wall time {wall:.0f} s (warm start {t_bc:.0f} s, PPO {wall - t_bc:.0f} s for {cfg.timesteps} steps)",
         "",
-        (
-            "Reward: expected tokens/s of the chosen depth ÷ the best depth's, for the batch at decision time "
-            "(1.0 = the clairvoyant oracle's choice)."
-            if cfg.reward == "regret"
-            else "Reward: SpecDecode-v0's extra tokens over no speculation in the same time (/32)."
-        ),
+        {
+            "objective": "Reward: tokens per request-second over time (Dinkelbach form against a slowly moving "
+            f"reference rate; γ = {cfg.gamma}); cloned expert: oracle weight {cfg.bc_expert} (the rest: the fitted "
+            "model's goodput on the observed acceptance); greedy regret is against those labels.",
+            "regret": "Reward: expected tokens/s of the chosen depth ÷ the best depth's, for the batch at decision "
+            "time (1.0 = the clairvoyant oracle's choice).",
+            "extra-tokens": "Reward: SpecDecode-v0's extra tokens over no speculation in the same time (/32).",
+        }[cfg.reward],
         "",
     ]
     if bc:
