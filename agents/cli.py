@@ -37,8 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     t.add_argument("--n-envs", type=int, default=None, help="parallel simulator copies (in-process)")
     t.add_argument("--depths", default=None, help="allowed depths, e.g. 0,1,2,3,5")
     t.add_argument("--warm-start-rounds", type=int, default=None, help="DAgger rounds before PPO (0 = none)")
-    t.add_argument("--reward", choices=("regret", "extra-tokens"), default=None, help="training reward")
-    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0 for the regret reward)")
+    t.add_argument(
+        "--reward",
+        choices=("objective", "regret", "extra-tokens"),
+        default=None,
+        help="training reward (default objective: tokens per request-second over time, γ > 0)",
+    )
+    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.9)")
     t.add_argument(
         "--drafter-mix",
         type=float,
@@ -61,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--sim", type=Path, help="a fitted sim.json")
     src.add_argument("--deployment", help="a bundled deployment (h200-llama8b, seed)")
+    src.add_argument(
+        "--suite",
+        help="a named, held-out scenario suite across deployments (agents/suite.py: decisions-v1); "
+        "a zip path may hold {deployment}",
+    )
     e.add_argument("--policy", action="append", default=[], help="PPO zip or builtin:NAME (repeatable)")
     e.add_argument("--baselines", default="all", help="'all', 'none' or a comma list of builtin names")
     e.add_argument("--out", type=Path, required=True, help="output folder")
@@ -69,6 +79,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     e.add_argument("--concurrency", default=None, help="closed-loop C values, e.g. 1,2,4,...,250")
     e.add_argument("--jobs", type=int, default=1, help="worker processes")
     e.add_argument("--depths", default=None, help="allowed depths, e.g. 0,1,2,3,5")
+    e.add_argument(
+        "--perturb",
+        type=float,
+        default=None,
+        help="run each seed on a world drawn around the fit at this × its standard errors "
+        "(default 0; suites set their own)",
+    )
+    e.add_argument(
+        "--only", default=None, help="with --suite: run the scenarios whose name contains one of these"
+    )
     e.set_defaults(func=_eval)
 
 

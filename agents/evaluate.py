@@ -46,14 +46,15 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+import zlib
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from agents.report import ci95
 from controller.baselines import BASELINES
 from controller.errors import ConfigError
 from controller.policy import Policy
@@ -96,7 +97,10 @@ class EvalConfig:
     closed_s: float = 20.0
     open_s: float = 30.0
     nonstationary_s: float = 60.0
-    trace_policies: tuple[str, ...] = ("ppo", "sglang-adaptive", "goodput", "oracle")
+    trace_policies: tuple[str, ...] = ("ppo", "sglang-adaptive", "goodput-fit", "oracle")
+    suite: str | None = None
+    perturb: float = 0.0
+    only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Checked here, before any simulation: a bad value must not surface hours (or a progress
@@ -111,6 +115,14 @@ class EvalConfig:
             raise ConfigError(f"--jobs must be >= 1, got {self.jobs}")
         if self.depths is not None and (not self.depths or self.depths[0] < 0):
             raise ConfigError(f"--depths must be non-negative, got {list(self.depths)}")
+        if not (self.perturb >= 0 and math.isfinite(self.perturb)):
+            raise ConfigError(f"--perturb must be >= 0, got {self.perturb}")
+        if self.suite is not None:
+            from agents.suite import get_suite
+
+            get_suite(self.suite)
+        elif self.sim is None and self.deployment is None:
+            raise ConfigError("give --sim, --deployment or --suite")
 
     @classmethod
     def from_args(cls, args: Any, depths: tuple[int, ...] | None) -> EvalConfig:
@@ -133,21 +145,47 @@ class EvalConfig:
             concurrency=conc,
             jobs=args.jobs,
             depths=depths,
+            suite=getattr(args, "suite", None),
+            perturb=getattr(args, "perturb", None) or 0.0,
+            only=tuple(x for x in (getattr(args, "only", None) or "").split(",") if x),
         )
 
 
 @dataclass(frozen=True)
 class Workload:
+    """One evaluated workload.
+
+    ``key`` names it in results.json (the spec itself, or a suite scenario's name);
+    ``perturb`` > 0 runs every seed on a world drawn around the fit from the stream
+    ``SeedSequence([salt, seed])`` (see :mod:`agents.suite`).
+    """
+
     spec: str
     family: str
     x: float | None
     duration_s: float
     label: str = ""
+    key: str = ""
+    shifting: bool = False
+    overload: bool = False
+    perturb: float = 0.0
+    salt: int = 0
+    deployment: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.key or self.spec
+
+
+# Privileged policies: in every report as labelled references, never as competitors.
+REFERENCES: tuple[str, ...] = ("oracle", "goodput-exact")
+# The realistic competitors controller eval adds to the builtins: goodput with the fitted model.
+EVAL_ONLY: tuple[str, ...] = ("goodput-fit",)
 
 
 @dataclass
 class _Job:
-    sim_json: str
+    sim_json: str  # the fit: what a policy with a model is given
     workload: Workload
     policy: str  # display name
     spec: str  # how to build it (see _build_policy)
@@ -173,19 +211,23 @@ def load_sim(sim: Path | None, deployment: str | None):
     return load_deployment(deployment)
 
 
-def _build_policy(spec: str, depths: tuple[int, ...], params: Any) -> Policy:
-    """A policy from an eval spec: ``oracle``, ``goodput`` (bound to the sim's latency model),
-    any ``builtin:NAME``/bare builtin name, or a PPO zip path."""
+def _build_policy(spec: str, depths: tuple[int, ...], params: Any, world: Any = None) -> Policy:
+    """A policy from an eval spec, for a run on ``world`` (default: ``params``) whose fit is
+    ``params``: ``oracle`` (reads the engine), ``goodput-exact`` (the world's own latency model:
+    privileged), ``goodput-fit`` (the fit's latency model: what a deployment can have), any
+    ``builtin:NAME``/bare builtin name (``goodput`` is the served one: measured latencies, no
+    model), or a PPO zip path."""
+    world = params if world is None else world
     if spec == "oracle":
         from agents.oracle import OraclePolicy
 
         return OraclePolicy(depths)
-    if spec == "goodput":
+    if spec in ("goodput-exact", "goodput-fit"):
         from controller.baselines import GoodputPolicy
         from env.latency import step_time_us
 
-        lat = params.latency
-        return GoodputPolicy("goodput", depths, latency_fn=lambda d, bs, ctx: step_time_us(lat, bs, d, ctx))
+        lat = (world if spec == "goodput-exact" else params).latency
+        return GoodputPolicy(spec, depths, latency_fn=lambda d, bs, ctx: step_time_us(lat, bs, d, ctx))
     if spec.endswith(".zip"):
         return make_factory(spec, depths)(depths)
     name = spec[len("builtin:") :] if spec.startswith("builtin:") else spec
@@ -206,14 +248,24 @@ def _params_from_json(text: str) -> Any:
     return params
 
 
+def world_params(params: Any, w: Workload, seed: int) -> Any:
+    """The deployment a run of ``w`` with ``seed`` simulates: the fit itself, or (``perturb`` >
+    0) a draw around it from the scenario's own stream."""
+    if w.perturb <= 0:
+        return params
+    rng = np.random.default_rng(np.random.SeedSequence([w.salt, seed]))
+    return params.perturb(rng, w.perturb)
+
+
 def run_job(job: _Job) -> _Job:
     """Run one (workload, policy, seed) in the simulator; fills ``job.result``."""
     from env.runner import simulate
 
     params = _params_from_json(job.sim_json)
-    policy = _build_policy(job.spec, job.depths, params)
+    world = world_params(params, job.workload, job.seed)
+    policy = _build_policy(job.spec, job.depths, params, world)
     res = simulate(
-        params,
+        world,
         job.workload.spec,
         policy,
         depths=job.depths,
@@ -276,27 +328,16 @@ def build_suite(cfg: EvalConfig, capacity_req_s: float) -> list[Workload]:
 
 
 def _score_metric(w: Workload) -> str:
-    closed_base = w.spec.startswith("closed:") or (w.spec.startswith("phase:") and ":closed:" in w.spec)
+    base = w.spec.split("@")[0]
+    closed_base = base.startswith("closed:") or (base.startswith("phase:") and ":closed:" in base)
     return "throughput_tok_s" if closed_base else "per_request_tok_s"
-
-
-def ci95(values: Sequence[float]) -> tuple[float, float, float]:
-    """Mean and Student-t 95% confidence interval of the mean."""
-    x = np.asarray(values, dtype=float)
-    m = float(x.mean())
-    if len(x) < 2:
-        return m, m, m
-    from scipy import stats
-
-    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
-    return m, m - half, m + half
 
 
 def _policy_list(cfg: EvalConfig, depths: tuple[int, ...]) -> list[tuple[str, str]]:
     """(display name, spec) of every policy to run."""
     out: list[tuple[str, str]] = []
     if cfg.baselines == "all":
-        names = [f"static:{d}" for d in depths] + list(BASELINES) + ["oracle"]
+        names = [f"static:{d}" for d in depths] + list(BASELINES) + list(EVAL_ONLY) + list(REFERENCES)
     elif cfg.baselines == "none":
         names = []
     else:
@@ -315,7 +356,9 @@ def _policy_list(cfg: EvalConfig, depths: tuple[int, ...]) -> list[tuple[str, st
 
 
 def evaluate(cfg: EvalConfig) -> Path:
-    """Run the suite and write report.md, results.json and plots; returns the report path."""
+    """Run the workloads and write report.md, results.json and plots; returns the report path."""
+    if cfg.suite is not None:
+        return evaluate_suite(cfg)
     params = load_sim(cfg.sim, cfg.deployment)
     depths = cfg.depths
     zips = [p for p in cfg.policies if p.endswith(".zip")]
@@ -345,7 +388,11 @@ def evaluate(cfg: EvalConfig) -> Path:
         )
     )
     capacity = probe.result["throughput_tok_s"] / mean_output_tokens(params)
-    suite = build_suite(cfg, capacity)
+    suite = [
+        Workload(w.spec, w.family, w.x, w.duration_s, w.label, shifting=w.family == "nonstationary",
+                 perturb=cfg.perturb, salt=zlib.crc32(w.spec.encode()))
+        for w in build_suite(cfg, capacity)
+    ]  # fmt: skip
     trace_wl = next((w.spec for w in suite if w.spec.startswith("ramp:")), None)
     jobs = [
         _Job(
@@ -396,33 +443,7 @@ def _collect(
     policies: list[tuple[str, str]],
     done: list[_Job],
 ) -> dict[str, Any]:
-    by: dict[tuple[str, str], list[_Job]] = {}
-    for j in done:
-        by.setdefault((j.workload.spec, j.policy), []).append(j)
-    workloads: dict[str, Any] = {}
-    traces: dict[str, Any] = {}
-    for w in suite:
-        metric = _score_metric(w)
-        entry: dict[str, Any] = {
-            "family": w.family,
-            "x": w.x,
-            "label": w.label,
-            "score_metric": metric,
-            "policies": {},
-        }
-        for name, _ in policies:
-            runs = sorted(by[(w.spec, name)], key=lambda j: j.seed)
-            stats: dict[str, Any] = {}
-            for key in ("throughput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "per_request_tok_s", "mean_depth"):
-                vals = [r.result[key] for r in runs]
-                m, lo, hi = ci95(vals)
-                stats[key] = {"mean": m, "ci95": [lo, hi], "values": vals}
-            stats["score"] = stats[metric]
-            entry["policies"][name] = stats
-            for r in runs:
-                if "trace" in r.result:
-                    traces.setdefault(w.spec, {})[name] = r.result["trace"]
-        workloads[w.spec] = entry
+    workloads, traces = collect_workloads(suite, {w.name: policies for w in suite}, done)
     cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     return {
         "schema": 1,
@@ -435,4 +456,186 @@ def _collect(
     }
 
 
-__all__ = ["EvalConfig", "Workload", "build_suite", "ci95", "evaluate", "load_sim", "run_job"]
+def headroom(policies: dict[str, Any]) -> float | None:
+    """The oracle's mean score over the best static depth's (None without both)."""
+    statics = [v["score"]["mean"] for p, v in policies.items() if p.startswith("static:")]
+    if "oracle" not in policies or not statics or max(statics) <= 0:
+        return None
+    return float(policies["oracle"]["score"]["mean"] / max(statics))
+
+
+def collect_workloads(
+    suite: list[Workload], policies: dict[str, list[tuple[str, str]]], done: list[_Job]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """results.json's ``workloads`` (and plotted traces) from finished jobs; ``policies`` lists
+    each workload's (display name, spec)."""
+    by: dict[tuple[str, str], list[_Job]] = {}
+    for j in done:
+        by.setdefault((j.workload.name, j.policy), []).append(j)
+    workloads: dict[str, Any] = {}
+    traces: dict[str, Any] = {}
+    for w in suite:
+        metric = _score_metric(w)
+        entry: dict[str, Any] = {
+            "family": w.family,
+            "x": w.x,
+            "label": w.label,
+            "spec": w.spec,
+            "score_metric": metric,
+            "shifting": w.shifting,
+            "overload": w.overload,
+            "perturb": w.perturb,
+            "policies": {},
+        }
+        if w.deployment:
+            entry["deployment"] = w.deployment
+        for name, _ in policies[w.name]:
+            runs = sorted(by[(w.name, name)], key=lambda j: j.seed)
+            stats: dict[str, Any] = {}
+            for key in ("throughput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "per_request_tok_s", "mean_depth"):
+                vals = [r.result[key] for r in runs]
+                m, lo, hi = ci95(vals)
+                stats[key] = {"mean": m, "ci95": [lo, hi], "values": vals}
+            stats["score"] = stats[metric]
+            entry["policies"][name] = stats
+            for r in runs:
+                if "trace" in r.result:
+                    traces.setdefault(w.name, {})[name] = r.result["trace"]
+        entry["headroom"] = headroom(entry["policies"])
+        workloads[w.name] = entry
+    return workloads, traces
+
+
+# --------------------------------------------------------------------------- named suites
+
+
+def _resolve_zip(spec: str, deployment: str) -> str:
+    return spec.replace("{deployment}", deployment)
+
+
+def evaluate_suite(cfg: EvalConfig) -> Path:
+    """``controller eval --suite NAME``: every scenario of the suite (:mod:`agents.suite`) on
+    its held-out seeds and worlds; report.md, results.json and plots into ``cfg.out``.
+
+    A PPO zip path may hold ``{deployment}`` (e.g. ``agents/bundled/{deployment}/ppo.zip``):
+    each scenario then runs the zip of its own deployment, and a scenario whose zip does not
+    exist lists the policy as missing. A scenario whose deployment does not exist is listed in
+    ``missing`` and runs nothing.
+    """
+    from agents.suite import get_suite, suite_seeds
+    from controller.errors import ControllerError
+    from env.deployments import load_deployment
+    from env.workload import parse_workload
+
+    scenarios = get_suite(cfg.suite or "")
+    if cfg.only:
+        scenarios = tuple(sc for sc in scenarios if any(x in sc.name for x in cfg.only))
+        if not scenarios:
+            raise ConfigError(f"--only {','.join(cfg.only)}: no scenario of {cfg.suite} matches")
+    seeds = suite_seeds(cfg.seeds)
+    zips = [p for p in cfg.policies if p.endswith(".zip")]
+    depths = cfg.depths
+    t0 = time.perf_counter()
+    runnable: list[tuple[Any, Any]] = []
+    missing: list[dict[str, str]] = []
+    for sc in scenarios:
+        try:
+            runnable.append((sc, load_deployment(sc.deployment)))
+        except ControllerError as exc:
+            missing.append({"scenario": sc.name, "deployment": sc.deployment, "reason": str(exc)})
+    if depths is None:
+        depths = DEFAULT_DEPTHS
+        for z in zips:
+            path = _resolve_zip(z, runnable[0][0].deployment) if runnable else z
+            if Path(path).exists():
+                from controller.ppo_policy import read_ppo_zip
+
+                depths = read_ppo_zip(path)[0].depths
+                break
+    base = _policy_list(replace(cfg, policies=()), depths)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    workloads: list[Workload] = []
+    per_workload: dict[str, list[tuple[str, str]]] = {}
+    missing_policies: dict[str, list[str]] = {}
+    jobs: list[_Job] = []
+    capacities: dict[str, float] = {}
+    cap_cache: dict[tuple[str, str], float] = {}
+    for sc, params in runnable:
+        sim_json = json.dumps(params.to_dict())
+        opts = sc.options()
+        key = (sc.deployment, opts)
+        if key not in cap_cache:
+            cap_spec = f"closed:{params.engine.max_running_requests}" + (f"@{opts}" if opts else "")
+            probe = run_job(
+                _Job(sim_json, Workload(cap_spec, "closed", None, 20.0), "static:0", "static:0", depths, 0)
+            )
+            fixed_out = parse_workload(cap_spec, params.workload.presets).output_tokens
+            mean_out = float(fixed_out) if fixed_out else mean_output_tokens(params)
+            cap_cache[key] = probe.result["throughput_tok_s"] / mean_out
+        capacities[sc.name] = cap_cache[key]
+        spec = sc.resolve(cap_cache[key])
+        w = Workload(
+            spec, sc.loop, None, sc.duration_s * cfg.scale, sc.label, key=sc.name, shifting=sc.shifting,
+            overload=sc.overload, perturb=sc.perturb, salt=sc.salt, deployment=sc.deployment,
+        )  # fmt: skip
+        for _, pspec in base:
+            _build_policy(pspec, depths, params)  # fail before hours of simulation, not after
+        pols = list(base)
+        first = True
+        for z in cfg.policies:
+            if not z.endswith(".zip"):
+                pols.append((z.removeprefix("builtin:"), z))
+                continue
+            name = "ppo" if first else f"ppo:{Path(z).stem}"
+            first = False
+            path = _resolve_zip(z, sc.deployment)
+            if Path(path).exists():
+                pols.append((name, str(Path(path).resolve())))
+            else:
+                missing_policies.setdefault(sc.name, []).append(f"{name} ({path}: no such file)")
+        workloads.append(w)
+        per_workload[sc.name] = pols
+        keep = sc.name == "llama8b/longmix-wave"
+        jobs += [
+            _Job(sim_json, w, name, pspec, depths, seed,
+                 keep_trace=keep and seed == seeds[0] and name in cfg.trace_policies)
+            for name, pspec in pols
+            for seed in seeds
+        ]  # fmt: skip
+    done = _run_all(jobs, cfg.jobs)
+    results_w, traces = collect_workloads(workloads, per_workload, done)
+    for name, absent in missing_policies.items():
+        results_w[name]["missing_policies"] = absent
+    cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    results = {
+        "schema": 1,
+        "suite": cfg.suite,
+        "config": cfg_dict,
+        "sim": f"suite {cfg.suite}",
+        "depths": list(depths),
+        "seeds": seeds,
+        "workloads": results_w,
+        "missing": missing,
+        "references": list(REFERENCES),
+        "traces": traces,
+        "capacity_req_s": capacities,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    from agents.report import write_suite_outputs
+
+    return write_suite_outputs(results, cfg.out)
+
+
+__all__ = [
+    "REFERENCES",
+    "EvalConfig",
+    "Workload",
+    "build_suite",
+    "ci95",
+    "evaluate",
+    "evaluate_suite",
+    "headroom",
+    "load_sim",
+    "run_job",
+    "world_params",
+]

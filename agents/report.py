@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from controller.baselines import BASELINES
+
+# Privileged policies (agents.evaluate.REFERENCES): labelled references, never competitors.
+REFERENCES = ("oracle", "goodput-exact")
+HEADROOM_MIN = 1.05
+
+
+def ci95(values: Sequence[float]) -> tuple[float, float, float]:
+    """Mean and Student-t 95% confidence interval of the mean."""
+    x = np.asarray(values, dtype=float)
+    m = float(x.mean())
+    if len(x) < 2:
+        return m, m, m
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return m, m - half, m + half
 
 
 def _score(results: dict[str, Any], spec: str, policy: str) -> float:
@@ -30,7 +47,7 @@ def check_targets(results: dict[str, Any], learned: str = "ppo") -> list[dict[st
     if learned not in pols:
         return []
     statics = [p for p in pols if p.startswith("static:")]
-    adaptive = [p for p in BASELINES if p in pols]
+    adaptive = [p for p in (*BASELINES, "goodput-fit") if p in pols]
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: float, threshold: float, detail: str) -> None:
@@ -129,6 +146,15 @@ def write_eval_outputs(results: dict[str, Any], out: Path, notes: str = "") -> P
         lines.append("")
     if notes:
         lines += [notes, ""]
+    hr = [(s, w["headroom"]) for s, w in results["workloads"].items() if w.get("headroom") is not None]
+    if hr:
+        lines += [
+            "Headroom (the clairvoyant oracle's score over the best static depth's) per workload: "
+            + ", ".join(f"{results['workloads'][s]['label'] or s} {h:.3f}" for s, h in hr)
+            + ". `oracle` and `goodput-exact` (the simulator's exact latency model) are privileged "
+            "references, not competitors.",
+            "",
+        ]
     fams = [
         ("closed", "Closed loop"),
         ("poisson", "Open loop (Poisson)"),
@@ -256,4 +282,336 @@ def _plots(results: dict[str, Any], out: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
         break
+    return paths
+
+
+# --------------------------------------------------------------------------- suites
+
+
+def is_learned(name: str) -> bool:
+    return name == "ppo" or name.startswith("ppo:")
+
+
+def realistic(pols: Any) -> list[str]:
+    """The competitors a real deployment could run: neither learned here nor privileged."""
+    return [p for p in pols if not is_learned(p) and p not in REFERENCES]
+
+
+def _values(w: dict[str, Any], p: str) -> np.ndarray:
+    return np.asarray(w["policies"][p]["score"]["values"], dtype=float)
+
+
+def paired_ratio(w: dict[str, Any], a: str, b: str) -> tuple[float, float, float]:
+    """score(a)/score(b) seed by seed (common random numbers): mean and 95% CI."""
+    va, vb = _values(w, a), _values(w, b)
+    ok = vb > 0
+    if not ok.any():
+        return float("nan"), float("nan"), float("nan")
+    return ci95(list(va[ok] / vb[ok]))
+
+
+def _best(w: dict[str, Any], names: list[str]) -> str:
+    return max(names, key=lambda p: w["policies"][p]["score"]["mean"])
+
+
+def suite_ratios(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """scenario → policy → ratios of mean scores: ``best_realistic``, ``best_static``,
+    ``static0``, ``oracle``, ``goodput-exact`` (the ones that exist)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for s, w in results["workloads"].items():
+        pols = list(w["policies"])
+        comp = realistic(pols)
+        statics = [p for p in pols if p.startswith("static:")]
+        dens: dict[str, float] = {}
+        if comp:
+            dens["best_realistic"] = w["policies"][_best(w, comp)]["score"]["mean"]
+        if statics:
+            dens["best_static"] = w["policies"][_best(w, statics)]["score"]["mean"]
+        for ref, key in (("static:0", "static0"), ("oracle", "oracle"), ("goodput-exact", "goodput-exact")):
+            if ref in pols:
+                dens[key] = w["policies"][ref]["score"]["mean"]
+        out[s] = {
+            p: {
+                k: (w["policies"][p]["score"]["mean"] / d if d > 0 else float("nan")) for k, d in dens.items()
+            }
+            for p in pols
+        }
+    return out
+
+
+def check_suite_targets(results: dict[str, Any], learned: str = "ppo") -> list[dict[str, Any]]:
+    """The suite's done-criteria for policy ``learned`` (see docs/results.md)."""
+    wls = results["workloads"]
+    ratios = suite_ratios(results)
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float, threshold: float, detail: str, strict: bool = False) -> None:
+        ok = value > threshold if strict else value >= threshold
+        out.append(
+            {"name": name, "value": value, "threshold": threshold, "passed": bool(ok), "detail": detail}
+        )
+
+    hr = {s: w["headroom"] for s, w in wls.items() if w.get("headroom") is not None}
+    if hr:
+        n_ok = sum(h >= HEADROOM_MIN for h in hr.values())
+        add(
+            "scenarios with headroom ≥ 5% (fraction)",
+            n_ok / len(hr),
+            0.5,
+            f"{n_ok} of {len(hr)}; smallest {min(hr.values()):.3f}, largest {max(hr.values()):.3f}",
+        )
+    have = [s for s in wls if learned in wls[s]["policies"]]
+    if not have:
+        return out
+
+    def worst(key: str, among: list[str]) -> tuple[float, str]:
+        vals = {s: ratios[s][learned].get(key, float("nan")) for s in among}
+        s = min(vals, key=lambda x: _nan_last(vals[x]))
+        return vals[s], s
+
+    v, s = worst("best_static", have)
+    add("PPO / best static depth, worst scenario", v, 0.99, f"at {s}")
+    v, s = worst("best_realistic", have)
+    add("PPO / every realistic baseline, worst scenario", v, 0.99, f"at {s}")
+    hard = [x for x in have if wls[x].get("shifting") or wls[x].get("overload")]
+    if hard:
+        vals = [ratios[x][learned]["best_realistic"] for x in hard]
+        v, s = worst("best_realistic", hard)
+        add(
+            "shifting/overload scenarios: PPO / best realistic baseline, worst",
+            v,
+            1.03,
+            f"at {s}; mean over {len(hard)} scenarios {np.nanmean(vals):.3f}",
+        )
+    comp = realistic(wls[have[0]]["policies"])
+    worsts = {p: min(ratios[x][p]["best_realistic"] for x in have if p in ratios[x]) for p in comp}
+    if worsts:
+        b = max(worsts, key=lambda p: worsts[p])
+        v_ppo = min(ratios[x][learned]["best_realistic"] for x in have)
+        add(
+            "PPO's worst case / best realistic, above every baseline's worst case",
+            v_ppo,
+            worsts[b],
+            f"best baseline worst case: {b} {worsts[b]:.3f}",
+            strict=True,
+        )
+    if all("static0" in ratios[x][learned] for x in have):
+        v, s = worst("static0", have)
+        add("PPO / static:0, worst scenario", v, 0.99, f"at {s}")
+    return out
+
+
+def write_suite_outputs(results: dict[str, Any], out: Path) -> Path:
+    """A suite's ``results.json``, ``report.md`` and plots into ``out``; returns the report."""
+    wls = results["workloads"]
+    learned = "ppo" if any("ppo" in w["policies"] for w in wls.values()) else None
+    results["targets"] = check_suite_targets(results, learned or "ppo")
+    ratios = suite_ratios(results)
+    results["robustness"] = robustness(results, ratios)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    plots = _suite_plots(results, ratios, out)
+    n_seeds = len(results["seeds"])
+    lines = [
+        f"# Evaluation: suite `{results['suite']}`",
+        "",
+        f"Depths {results['depths']}; {n_seeds} held-out seeds {results['seeds']} (the same for every "
+        "policy); every (scenario, seed) runs on a world drawn around the deployment's fit, and "
+        "`goodput-fit` gets the fit. Scores: closed loop → throughput (tokens/s); open loop → "
+        "1000 / mean TPOT (tokens/s per request). Wall time "
+        f"{results.get('wall_s', 0):.0f} s.",
+        "",
+        "References (privileged, not competitors): `oracle` (clairvoyant greedy: true acceptance and "
+        "latency of the next step), `goodput-exact` (goodput with the world's exact latency model). "
+        "Realistic competitors: every static depth, "
+        + ", ".join(f"`{b}`" for b in BASELINES)
+        + " (`goodput` as `controller serve` serves it: measured latencies), `goodput-fit` "
+        "(the fitted latency model).",
+        "",
+    ]
+    if results["targets"]:
+        lines += ["## Targets", "", "| target | value | threshold | met |", "|---|---|---|---|"]
+        for t in results["targets"]:
+            mark = "yes" if t["passed"] else f"**no** (short by {t['threshold'] - t['value']:.3f})"
+            lines.append(
+                f"| {t['name']} ({t['detail']}) | {t['value']:.3f} | {t['threshold']:.3f} | {mark} |"
+            )
+        lines.append("")
+    if results.get("missing"):
+        lines += ["## Missing", ""]
+        lines += [
+            f"- `{m['scenario']}`: deployment `{m['deployment']}` — {m['reason']}" for m in results["missing"]
+        ]
+        lines.append("")
+    lines += _suite_table(results, ratios)
+    lines += _robustness_table(results)
+    lines += ["## Scores (mean ± 95% CI over seeds)", ""]
+    pols = _all_policies(wls)
+    lines.append("| scenario | " + " | ".join(pols) + " |")
+    lines.append("|---|" + "---|" * len(pols))
+    for s, w in wls.items():
+        best = max(w["policies"].values(), key=lambda x: x["score"]["mean"])
+        cells = []
+        for p in pols:
+            if p not in w["policies"]:
+                cells.append("—")
+                continue
+            st = w["policies"][p]
+            digits = 1 if st["score"]["mean"] < 100 else 0
+            cell = _fmt(st, "score", digits)
+            cells.append(f"**{cell}**" if st is best else cell)
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += ["", "Specs (rates resolved against each scenario's capacity):", ""]
+    lines += [f"- `{s}`: `{w['spec']}` ({w['label']})" for s, w in wls.items()]
+    for s, w in wls.items():
+        if w.get("missing_policies"):
+            lines.append(f"- `{s}`: not run: {', '.join(w['missing_policies'])}")
+    lines.append("")
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def _all_policies(wls: dict[str, Any]) -> list[str]:
+    pols: list[str] = []
+    for w in wls.values():
+        pols += [p for p in w["policies"] if p not in pols]
+    return pols
+
+
+def _suite_table(results: dict[str, Any], ratios: dict[str, Any]) -> list[str]:
+    wls = results["workloads"]
+    pols = _all_policies(wls)
+    learned = [p for p in pols if is_learned(p)]
+    comp = [p for p in pols if p not in learned and p not in REFERENCES]
+    lines = [
+        "## Per scenario: ratio to the best realistic competitor",
+        "",
+        "Headroom = oracle / best static depth. `ppo` columns: mean-score ratio, then the seed-paired "
+        "ratio's 95% CI (a difference inside it is not a result).",
+        "",
+    ]
+    head = ["scenario", "shift", "overload", "headroom", "best static", "best realistic"]
+    head += [f"{p} / best static" for p in learned] + [f"{p} / best realistic (CI)" for p in learned]
+    head += [p for p in comp if not p.startswith("static:")] + list(REFERENCES)
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|---|" + "---|" * (len(head) - 1))
+    for s, w in wls.items():
+        statics = [p for p in w["policies"] if p.startswith("static:")]
+        rc = realistic(w["policies"])
+        hr = w.get("headroom")
+        row = [
+            s,
+            "yes" if w.get("shifting") else "",
+            "yes" if w.get("overload") else "",
+            f"{hr:.3f}" if hr is not None else "—",
+            _best(w, statics) if statics else "—",
+            _best(w, rc) if rc else "—",
+        ]
+        for p in learned:
+            row.append(f"{ratios[s][p]['best_static']:.3f}" if p in ratios[s] else "—")
+        for p in learned:
+            if p in ratios[s] and rc:
+                _, lo, hi = paired_ratio(w, p, _best(w, rc))
+                row.append(f"{ratios[s][p]['best_realistic']:.3f} ({lo:.3f}–{hi:.3f})")
+            else:
+                row.append("—")
+        for p in [*[p for p in comp if not p.startswith("static:")], *REFERENCES]:
+            row.append(f"{ratios[s][p]['best_realistic']:.3f}" if p in ratios[s] else "—")
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    return lines
+
+
+def robustness(results: dict[str, Any], ratios: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """policy → worst and mean over the suite of its ratio to the best realistic competitor,
+    the oracle, goodput-exact and static:0."""
+    out: dict[str, dict[str, float]] = {}
+    for p in _all_policies(results["workloads"]):
+        row: dict[str, float] = {"scenarios": 0}
+        for key in ("best_realistic", "oracle", "goodput-exact", "static0"):
+            vals = [ratios[s][p][key] for s in ratios if p in ratios[s] and key in ratios[s][p]]
+            vals = [v for v in vals if math.isfinite(v)]
+            if vals:
+                row[f"{key}_worst"] = float(min(vals))
+                row[f"{key}_mean"] = float(np.mean(vals))
+                row["scenarios"] = len(vals)
+        out[p] = row
+    return out
+
+
+def _robustness_table(results: dict[str, Any]) -> list[str]:
+    rob = results["robustness"]
+    lines = [
+        "## Robustness across the suite",
+        "",
+        "Worst and mean over the scenarios each policy ran of its score ratio to the best realistic "
+        "competitor there, to the references, and to no speculation.",
+        "",
+        "| policy | kind | vs best realistic: worst | mean | vs oracle: worst | mean | vs goodput-exact: worst "
+        "| mean | vs static:0: worst | mean |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(row: dict[str, float], key: str) -> str:
+        return f"{row[key]:.3f}" if key in row else "—"
+
+    for p, row in rob.items():
+        kind = "learned" if is_learned(p) else "reference" if p in REFERENCES else "realistic"
+        cells = [f(row, f"{k}_{m}") for k in ("best_realistic", "oracle", "goodput-exact", "static0")
+                 for m in ("worst", "mean")]  # fmt: skip
+        lines.append(f"| {p} | {kind} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _suite_plots(results: dict[str, Any], ratios: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = results["workloads"]
+    if not wls:
+        return []
+    paths: list[Path] = []
+    scen = list(wls)
+    pols = _all_policies(wls)
+    grid = np.full((len(pols), len(scen)), np.nan)
+    for j, s in enumerate(scen):
+        for i, p in enumerate(pols):
+            if p in ratios[s] and "best_realistic" in ratios[s][p]:
+                grid[i, j] = ratios[s][p]["best_realistic"]
+    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(scen), 1.0 + 0.4 * len(pols)))
+    im = ax.imshow(np.clip(grid, 0.8, 1.1), cmap="RdYlGn", vmin=0.8, vmax=1.1, aspect="auto")
+    ax.set_xticks(range(len(scen)), scen, rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(len(pols)), pols, fontsize=7)
+    for i in range(len(pols)):
+        for j in range(len(scen)):
+            if math.isfinite(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=5.5)
+    fig.colorbar(im, ax=ax, label="score / best realistic competitor", fraction=0.03)
+    ax.set_title(f"suite {results['suite']}: each policy vs the best realistic competitor")
+    fig.tight_layout()
+    paths.append(out / "suite_ratios.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    hr = [(s, w["headroom"]) for s, w in wls.items() if w.get("headroom") is not None]
+    if hr:
+        fig, ax = plt.subplots(figsize=(1.0 + 0.5 * len(hr), 4))
+        ax.bar(
+            range(len(hr)),
+            [h for _, h in hr],
+            color=["tab:green" if h >= HEADROOM_MIN else "tab:gray" for _, h in hr],
+        )
+        ax.axhline(HEADROOM_MIN, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(hr)), [s for s, _ in hr], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("oracle / best static depth")
+        ax.set_ylim(0.95, max(1.1, max(h for _, h in hr) + 0.02))
+        ax.set_title("headroom per scenario")
+        fig.tight_layout()
+        paths.append(out / "headroom.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
     return paths

@@ -81,6 +81,15 @@ class TrainConfig:
         n_workloads: size of the per-episode workload pool drawn at start.
         bc_rounds: DAgger rounds of the warm start (0 = plain PPO from scratch).
         bc_states: states collected per round.
+        bc_expert: weight of the clairvoyant oracle in the cloning labels; the rest is the
+            realistic expert, the fitted model's goodput on the observed acceptance (the
+            ``model_features``): the oracle alone cannot teach looking for information it
+            never lacks (e.g. drafting again after a stretch at depth 0), the realistic
+            expert alone cannot teach anything better than ``goodput-fit``. Needs
+            ``model_features`` when < 1.
+        model_features: give the policy the fitted latency model as input features
+            (``controller.ppo_policy.model_features``; the zip carries the table).
+        bc_time_weighted: weigh cloned states by their share of request-time.
         bc_epochs: passes over the aggregated states per round.
         save_warm_start: also save the policy before PPO as ``warmstart.zip`` (ablation).
         reward: ``"regret"`` (module docstring) or ``"extra-tokens"`` (SpecDecode-v0's own:
@@ -101,7 +110,7 @@ class TrainConfig:
     batch_size: int = 512
     n_epochs: int = 5
     learning_rate: float = 1e-4
-    gamma: float = 0.0
+    gamma: float = 0.9
     ent_coef: float = 0.0
     clip_range: float = 0.1
     net_arch: tuple[int, ...] = (64, 64)
@@ -114,7 +123,10 @@ class TrainConfig:
     bc_states: int = 40_000
     bc_epochs: int = 20
     save_warm_start: bool = True
-    reward: str = "regret"
+    reward: str = "objective"
+    bc_time_weighted: bool = True
+    model_features: bool = True
+    bc_expert: float = 0.0
     progress: bool = True
 
     @classmethod
@@ -217,30 +229,70 @@ def capacity_req_s(params: Any, depths: tuple[int, ...]) -> float:
 
 
 def workload_pool(rng: np.random.Generator, capacity: float, n: int, max_c: int = 250) -> list[str]:
-    """``n`` workload specs covering the regimes the policy must handle (see module docstring)."""
+    """``n`` workload specs covering the regimes the policy must handle (see module docstring).
+
+    Besides steady closed and Poisson loads, ramps, bursts and chat↔code phases: waves from a
+    trickle to overload and back, drafter-quality alternation (a drafter that accepts almost
+    nothing ↔ a good one, on closed and open bases), and on 40% of specs request-level
+    options: task mixes, long-document mixes (up to 32k-token prompts) and acceptance that
+    falls with prompt length. Drawn at random, so the held-out suites' specs
+    (``agents.suite``) are not in the pool.
+    """
     out: list[str] = []
+
+    def rate(lo: float, hi: float) -> float:
+        return round(float(capacity * rng.uniform(lo, hi)), 3)
+
+    def conc() -> int:
+        return max(1, int(round(math.exp(rng.uniform(0.0, math.log(max_c))))))
+
     for _ in range(n):
         u = rng.random()
-        rate = lambda lo, hi: round(float(capacity * rng.uniform(lo, hi)), 3)  # noqa: E731
-        if u < 0.40:
-            c = int(round(math.exp(rng.uniform(0.0, math.log(max_c)))))
-            out.append(f"closed:{max(1, c)}")
-        elif u < 0.55:
-            out.append(f"poisson:{rate(0.05, 1.0)}")
-        elif u < 0.65:
+        if u < 0.25:
+            spec = f"closed:{conc()}"
+        elif u < 0.33:
+            spec = f"poisson:{rate(0.05, 1.0)}"
+        elif u < 0.39:
             r0, r1 = rate(0.05, 0.5), rate(0.5, 1.1)
             if rng.random() < 0.5:
                 r0, r1 = r1, r0
-            out.append(f"ramp:{r0},{r1},{rng.uniform(10, 40):.1f}")
-        elif u < 0.75:
-            out.append(
-                f"burst:{rate(0.02, 0.3)},{rate(0.8, 1.5)},{rng.uniform(4, 20):.1f},{rng.uniform(0.1, 0.4):.2f}"
-            )
-        elif u < 0.88:
-            c = int(round(math.exp(rng.uniform(0.0, math.log(max_c)))))
-            out.append(f"phase:{rng.uniform(4, 30):.1f}:closed:{max(1, c)}")
+            spec = f"ramp:{r0},{r1},{rng.uniform(10, 40):.1f}"
+        elif u < 0.46:
+            spec = f"burst:{rate(0.02, 0.3)},{rate(0.8, 1.6)},{rng.uniform(4, 20):.1f},{rng.uniform(0.1, 0.4):.2f}"
+        elif u < 0.53:
+            spec = f"phase:{rng.uniform(4, 30):.1f}:closed:{conc()}"
+        elif u < 0.57:
+            spec = f"phase:{rng.uniform(4, 30):.1f}:poisson:{rate(0.05, 0.9)}"
+        elif u < 0.66:
+            spec = f"wave:{rate(0.01, 0.2)},{rate(0.6, 1.5)},{rng.uniform(10, 60):.1f}"
         else:
-            out.append(f"phase:{rng.uniform(4, 30):.1f}:poisson:{rate(0.05, 0.9)}")
+            # A drafter whose quality alternates: from useless to good and back.
+            lo = float(rng.uniform(-4.5, 0.5))
+            hi = lo + float(rng.uniform(1.0, 6.0))
+            if rng.random() < 0.6:
+                base = f"closed:{conc()}"
+            elif rng.random() < 0.5:
+                base = f"wave:{rate(0.01, 0.2)},{rate(0.6, 1.5)},{rng.uniform(10, 60):.1f}"
+            else:
+                base = f"poisson:{rate(0.05, 1.2)}"
+            spec = f"phase:{rng.uniform(6, 40):.1f}:{base}@accept_shift={lo:.2f},odd_shift={hi - lo:.2f}"
+        if rng.random() < 0.4:
+            opts = []
+            if rng.random() < 0.5:
+                opts.append(
+                    f"mix=code:{rng.uniform(0, 0.4):.2f}+math:{rng.uniform(0, 0.3):.2f}"
+                    f"+longdoc:{rng.uniform(0, 0.2):.2f}"
+                )
+            if rng.random() < 0.5:
+                lo_p = int(math.exp(rng.uniform(math.log(2048), math.log(8192))))
+                opts.append(f"long={rng.uniform(0.05, 0.5):.2f}:{lo_p}-{min(32768, lo_p * 4)}")
+            elif rng.random() < 0.3:
+                opts.append("prompt=100-32000")
+            if rng.random() < 0.5:
+                opts.append(f"ctx_slope={rng.uniform(0.0, 0.6):.2f}")
+            if opts:
+                spec += (",", "@")["@" not in spec] + ",".join(opts)
+        out.append(spec)
     return out
 
 
@@ -249,45 +301,149 @@ def _rates(engine: Any, depths: tuple[int, ...]) -> np.ndarray:
     return np.array([engine.expected_rate(d) for d in depths], dtype=np.float64)
 
 
+def _tokens_and_times(engine: Any, depths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """True expected tokens of the next step and its latency-model time (µs) at every depth."""
+    from env.latency import step_time_us
+
+    tokens = np.array([engine.expected_tokens(d) for d in depths], dtype=np.float64)
+    lat = engine.params.latency
+    times = np.array(
+        [step_time_us(lat, engine.n, d, engine.ctx_sum, engine.prefill_pending) for d in depths],
+        dtype=np.float64,
+    )
+    return tokens, times
+
+
+REWARDS = ("objective", "regret", "extra-tokens")
+
+
 class RegretReward(gym.Wrapper):
-    """Reward = expected rate of the chosen depth / best expected rate, for the batch as it
-    stands when the decision is made (see the module docstring). ``info["rates"]`` holds the
-    rate vector the reward came from.
+    """The training reward (see the module docstring); ``info["rates"]`` holds the true
+    expected tokens/s per depth at the decision, ``info["weight"]`` the step's share of
+    request-time relative to the episode's recent steps (for time-weighted cloning).
+
+    Rewards:
+
+    - ``objective`` (default): the user's objective over time — tokens per request-second —
+      as a Dinkelbach reward ``(E_d − ρ̄·bs·T_d) / (ρ̄·W̄)``: expected tokens of the chosen
+      depth minus what the request-time it costs (``bs·T_d``) is worth at a slowly moving
+      reference rate ``ρ̄`` (an EMA, over about 256 steps, of the best achievable per-request
+      rate), in units of a typical step (``W̄``, an EMA of request-time per step). Summed over
+      an episode it is tokens − ρ̄ × request-seconds, so a step weighs by the time it takes
+      for the requests it holds, and a decision that makes later states better or worse
+      (stale drafter, batches that drain faster or grow, queues) is paid for later: trained
+      with γ > 0. Closed loop: maximises throughput; open loop (arrivals fixed): minimises
+      request-seconds, i.e. token-weighted TPOT.
+    - ``regret``: ``rate_d / max_k rate_k`` at the decision, immediate (γ = 0; the earlier
+      method).
+    - ``extra-tokens``: SpecDecode-v0's own reward (an ablation).
 
     Args:
-        env: a ``SpecDecode-v0`` environment (its engine gives the true rates).
-        use_env_reward: pass the environment's own reward through instead (the
-            ``extra-tokens`` ablation); ``info["rates"]`` is still filled.
+        env: a ``SpecDecode-v0`` environment (its engine gives the true values).
+        reward: one of :data:`REWARDS`.
+        use_env_reward: deprecated spelling of ``reward="extra-tokens"``.
     """
 
-    def __init__(self, env: gym.Env, use_env_reward: bool = False) -> None:
+    RHO_ALPHA = 1.0 / 256.0
+    W_ALPHA = 1.0 / 64.0
+
+    def __init__(self, env: gym.Env, use_env_reward: bool = False, reward: str = "regret") -> None:
         super().__init__(env)
-        self.use_env_reward = use_env_reward
+        self.reward_kind = "extra-tokens" if use_env_reward else reward
+        if self.reward_kind not in REWARDS:
+            raise ConfigError(f"reward must be one of {', '.join(REWARDS)}, got {reward!r}")
         sim: Any = env.unwrapped
         self._sim = sim
         self.depths: tuple[int, ...] = tuple(sim.depths)
         self._rates = np.ones(len(self.depths))
+        self._tokens = np.ones(len(self.depths))
+        self._times = np.ones(len(self.depths))
+        self._n = 0
+        self._rho = 0.0
+        self._w = 0.0
+
+    def _observe(self, info: dict[str, Any]) -> None:
+        eng = self._sim.engine
+        self._tokens, self._times = _tokens_and_times(eng, self.depths)
+        self._n = n = int(eng.n)
+        self._rates = np.where(self._times > 0, self._tokens / np.maximum(self._times, 1e-9) * 1e6, 0.0)
+        info["rates"] = self._rates
+        best = int(np.argmax(self._rates))
+        req_time = n * self._times[best]
+        if n > 0 and self._w <= 0.0:
+            self._w = req_time
+            self._rho = self._rates[best] / n
+        info["weight"] = req_time / self._w if self._w > 0 else 0.0
 
     def reset(self, **kwargs: Any):
         obs, info = self.env.reset(**kwargs)
-        self._rates = _rates(self._sim.engine, self.depths)
-        info["rates"] = self._rates
+        self._rho = self._w = 0.0
+        self._observe(info)
         return obs, info
 
     def step(self, action: Any):
-        rates = self._rates
+        a = int(action)
+        rates, n = self._rates, self._n
         best = rates.max()
-        reward = float(rates[int(action)] / best) if best > 0 else 1.0
+        if self.reward_kind == "objective":
+            if n > 0 and self._w > 0:
+                cost = n * self._times[a] * 1e-6  # request-seconds
+                reward = float((self._tokens[a] - self._rho * cost) / (self._rho * self._w * 1e-6))
+                self._rho += self.RHO_ALPHA * (best / n - self._rho)
+                self._w += self.W_ALPHA * (n * self._times[int(np.argmax(rates))] - self._w)
+            else:
+                reward = 0.0
+        else:
+            reward = float(rates[a] / best) if best > 0 else 1.0
         obs, env_reward, terminated, truncated, info = self.env.step(action)
-        if self.use_env_reward:
+        if self.reward_kind == "extra-tokens":
             reward = float(env_reward)
-        self._rates = _rates(self._sim.engine, self.depths)
-        info["rates"] = self._rates
+        self._observe(info)
         return obs, reward, terminated, truncated, info
 
 
-def make_env(params: Any, workloads: list[str], cfg: TrainConfig):
-    """One training environment: SpecDecode-v0 on ``params`` with the regret reward."""
+def fit_model_table(params: Any, depths: tuple[int, ...]) -> np.ndarray:
+    """The fitted latency model as the table a policy carries (``PPOMeta.model_table``):
+    log(step time at each depth / at depth 0) over the observation's ``bs`` × ``ctx_per_req``
+    grids, through ``env.latency.step_time_us`` (whatever terms the model has)."""
+    from controller.ppo_policy import MODEL_BS_GRID, MODEL_CTX_GRID
+    from env.latency import step_time_us
+
+    lat = params.latency
+    out = np.zeros((len(depths), len(MODEL_BS_GRID), len(MODEL_CTX_GRID)))
+    for j, xb in enumerate(MODEL_BS_GRID):
+        bs = max(1, int(round(math.expm1(xb * math.log1p(256.0)))))
+        for c, xc in enumerate(MODEL_CTX_GRID):
+            ctx = bs * math.expm1(xc * math.log1p(32768.0))
+            t0 = step_time_us(lat, bs, depths[0], ctx)
+            for i, d in enumerate(depths):
+                out[i, j, c] = math.log(step_time_us(lat, bs, d, ctx) / t0)
+    return out
+
+
+class ModelFeatures(gym.ObservationWrapper):
+    """Appends the fitted model's features (``controller.ppo_policy.model_features``) to each
+    observation: what the served policy computes from the same observation and its table."""
+
+    def __init__(self, env: gym.Env, table: np.ndarray) -> None:
+        super().__init__(env)
+        from controller.ppo_policy import model_features, model_inputs
+
+        sim: Any = env.unwrapped
+        self._table = np.ascontiguousarray(table, dtype=np.float64)
+        self._inputs = model_inputs(sim.depths)
+        self._features = model_features
+        box = env.observation_space
+        n = box.shape[0] + 2 * len(sim.depths)  # type: ignore[index]
+        self.observation_space = gym.spaces.Box(-10.0, 10.0, (n,), np.float32)
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return self._features(observation, self._table, self._inputs)  # type: ignore[no-any-return]
+
+
+def make_env(params: Any, workloads: list[str], cfg: TrainConfig, table: np.ndarray | None = None):
+    """One training environment: SpecDecode-v0 on ``params`` with the training reward (and
+    the fitted model's features when ``table`` is given)."""
     from env.gym_env import SpecDecodeEnv
 
     env = SpecDecodeEnv(
@@ -299,19 +455,26 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig):
         drafter_mix=cfg.drafter_mix,
         episode_steps=cfg.episode_steps,
     )
-    if cfg.reward not in ("regret", "extra-tokens"):
-        raise ConfigError(f"reward must be 'regret' or 'extra-tokens', got {cfg.reward!r}")
-    return RegretReward(env, use_env_reward=cfg.reward == "extra-tokens")
+    wrapped: gym.Env = ModelFeatures(env, table) if table is not None else env
+    return RegretReward(wrapped, reward=cfg.reward)
 
 
 # --------------------------------------------------------------------------- warm start
 
 
+def _estimated_rel(obs: np.ndarray, n_act: int) -> np.ndarray:
+    """The realistic expert's relative rates: exp(goodput_k − max) from the model features
+    (the last ``n_act`` entries of an observation with model features)."""
+    g = obs[-n_act:].astype(np.float64)
+    return np.exp(g - g.max())
+
+
 def _collect(
     envs: list[Any], n_states: int, act_fn, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Roll out ``act_fn(obs, rates) -> action`` over the envs; return (obs, rates) pairs."""
-    obs_l, rate_l = [], []
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Roll out ``act_fn(obs, rates) -> action`` over the envs; return (obs, rates, weight)
+    triples (weight: the state's share of request-time, ``info["weight"]``)."""
+    obs_l, rate_l, w_l = [], [], []
     state = [e.reset(seed=int(rng.integers(2**31))) for e in envs]
     per_env = math.ceil(n_states / len(envs))
     for i, env in enumerate(envs):
@@ -321,14 +484,26 @@ def _collect(
             if rates.max() > 0:
                 obs_l.append(obs)
                 rate_l.append(rates / rates.max())
+                w_l.append(info.get("weight", 1.0))
             obs, _, term, trunc, info = env.step(act_fn(obs, rates))
             if term or trunc:
                 obs, info = env.reset(seed=int(rng.integers(2**31)))
-    return np.asarray(obs_l, dtype=np.float32), np.asarray(rate_l, dtype=np.float32)
+    return (
+        np.asarray(obs_l, dtype=np.float32),
+        np.asarray(rate_l, dtype=np.float32),
+        np.asarray(w_l, dtype=np.float32),
+    )
 
 
 def _fit_actor(
-    model: Any, obs: np.ndarray, rel: np.ndarray, epochs: int, rng: np.random.Generator, tau: float = 0.005
+    model: Any,
+    obs: np.ndarray,
+    rel: np.ndarray,
+    epochs: int,
+    rng: np.random.Generator,
+    tau: float = 0.005,
+    weight: np.ndarray | None = None,
+    value_scale: float = 1.0,
 ) -> float:
     """Fit the actor to soft labels softmax(rel / tau) by cross-entropy; returns the mean regret
     of the greedy action on the states.
@@ -336,7 +511,11 @@ def _fit_actor(
     Why not minimise expected regret Σ_k π(k|s)(1 − rel_k) directly: its gradient vanishes as
     the softmax saturates, and it does — on the majority depth — within an epoch. Soft labels
     keep the cost-sensitivity (a depth 1% worse gets e^-2 of the best one's mass at tau=0.005)
-    with cross-entropy's non-vanishing gradient."""
+    with cross-entropy's non-vanishing gradient.
+
+    ``weight``: per state, its share of request-time (a long step of a big batch weighs more
+    in tokens per request-second than a short one), clipped to [0.05, 20] and normalised to
+    mean 1; None weighs states alike."""
     import torch
 
     policy = model.policy
@@ -345,15 +524,17 @@ def _fit_actor(
     x = torch.as_tensor(obs)
     regret = torch.as_tensor(1.0 - rel)
     target = torch.softmax(torch.as_tensor(rel) / tau, dim=1)
-    value = (target * torch.as_tensor(rel)).sum(1, keepdim=True)
+    value = (target * torch.as_tensor(rel)).sum(1, keepdim=True) * value_scale
     n = len(x)
+    w = np.ones(n, dtype=np.float32) if weight is None else np.clip(weight, 0.05, 20.0).astype(np.float32)
+    wt = torch.as_tensor(w / w.mean())
     bs = 1024
     for _ in range(epochs):
         perm = torch.as_tensor(rng.permutation(n))
         for i in range(0, n, bs):
             idx = perm[i : i + bs]
             logp = torch.log_softmax(policy.get_distribution(x[idx]).distribution.logits, dim=1)
-            loss = -(target[idx] * logp).sum(1).mean()
+            loss = -(wt[idx] * (target[idx] * logp).sum(1)).mean()
             loss = loss + torch.nn.functional.mse_loss(policy.predict_values(x[idx]), value[idx])
             opt.zero_grad()
             loss.backward()
@@ -378,6 +559,7 @@ def warm_start(
     history: list[dict[str, float]] = []
     obs_all: list[np.ndarray] = []
     rel_all: list[np.ndarray] = []
+    w_all: list[np.ndarray] = []
     for r in range(cfg.bc_rounds):
         # Round 1: the oracle with 30% random actions, covering the states a decent policy visits
         # and the ones its mistakes lead to (stale drafter after depth 0, queues after deep steps).
@@ -386,16 +568,36 @@ def warm_start(
 
         def act(obs: np.ndarray, rates: np.ndarray, mlp: Any = mlp) -> int:
             if mlp is None:
-                return int(rng.integers(n_act)) if rng.random() < 0.3 else int(np.argmax(rates))
+                if rng.random() < 0.3:
+                    return int(rng.integers(n_act))
+                if cfg.bc_expert < 1.0 and rng.random() >= cfg.bc_expert:
+                    return int(np.argmax(_estimated_rel(obs, n_act)))
+                return int(np.argmax(rates))
             if rng.random() < 0.1:
                 return int(rng.integers(n_act))
             return int(mlp.act(obs))
 
         t0 = time.perf_counter()
-        obs, rel = _collect(envs, cfg.bc_states, act, rng)
+        obs, rel, w = _collect(envs, cfg.bc_states, act, rng)
+        if cfg.bc_expert < 1.0:
+            if not cfg.model_features:
+                raise ConfigError("bc_expert < 1 needs model_features (the realistic expert reads them)")
+            est = np.stack([_estimated_rel(o, n_act) for o in obs]).astype(np.float32)
+            rel = cfg.bc_expert * rel + (1.0 - cfg.bc_expert) * est
         obs_all.append(obs)
         rel_all.append(rel)
-        regret = _fit_actor(model, np.concatenate(obs_all), np.concatenate(rel_all), cfg.bc_epochs, rng)
+        w_all.append(w)
+        regret = _fit_actor(
+            model,
+            np.concatenate(obs_all),
+            np.concatenate(rel_all),
+            cfg.bc_epochs,
+            rng,
+            weight=np.concatenate(w_all) if cfg.bc_time_weighted else None,
+            # The critic starts where the reward starts: the regret reward's expected value
+            # is the labels' oracle fraction; the objective reward is centred near 0.
+            value_scale=1.0 if cfg.reward == "regret" else 0.0,
+        )
         history.append({"round": r, "states": float(sum(len(o) for o in obs_all)), "greedy_regret": regret})
         log(
             f"warm start round {r + 1}/{cfg.bc_rounds}: {len(obs)} states, greedy regret {regret:.4f} "
@@ -429,8 +631,10 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     workloads = workload_pool(rng, capacity, cfg.n_workloads)
     log(f"simulator: {source}; capacity ≈ {capacity:.2f} req/s; {len(workloads)} workloads")
 
+    table = fit_model_table(params, cfg.depths) if cfg.model_features else None
+
     def factory(i: int):
-        return lambda: make_env(params, workloads, cfg)
+        return lambda: make_env(params, workloads, cfg, table)
 
     vec = DummyVecEnv([factory(i) for i in range(cfg.n_envs)])
     model = PPO(
@@ -460,9 +664,9 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         "reward": cfg.reward,
         "warm_start_rounds": cfg.bc_rounds,
     }
-    meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra)
+    meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra, model_table=table)
     if cfg.bc_rounds > 0:
-        bc_envs = [make_env(params, workloads, cfg) for _ in range(4)]
+        bc_envs = [make_env(params, workloads, cfg, table) for _ in range(4)]
         bc_history = warm_start(model, bc_envs, cfg, rng, log)
         if cfg.save_warm_start and cfg.timesteps > 0:
             # The policy before PPO, kept for the ablation in the eval report.
@@ -513,12 +717,14 @@ def _report(
         f"action delay {cfg.delay[0]}–{cfg.delay[1]} steps",
         f"- wall time {wall:.0f} s (warm start {t_bc:.0f} s, PPO {wall - t_bc:.0f} s for {cfg.timesteps} steps)",
         "",
-        (
-            "Reward: expected tokens/s of the chosen depth ÷ the best depth's, for the batch at decision time "
-            "(1.0 = the clairvoyant oracle's choice)."
-            if cfg.reward == "regret"
-            else "Reward: SpecDecode-v0's extra tokens over no speculation in the same time (/32)."
-        ),
+        {
+            "objective": "Reward: tokens per request-second over time (Dinkelbach form against a slowly moving "
+            f"reference rate; γ = {cfg.gamma}); cloned expert: oracle weight {cfg.bc_expert} (the rest: the fitted "
+            "model's goodput on the observed acceptance); greedy regret is against those labels.",
+            "regret": "Reward: expected tokens/s of the chosen depth ÷ the best depth's, for the batch at decision "
+            "time (1.0 = the clairvoyant oracle's choice).",
+            "extra-tokens": "Reward: SpecDecode-v0's extra tokens over no speculation in the same time (/32).",
+        }[cfg.reward],
         "",
     ]
     if bc:

@@ -68,8 +68,10 @@ def main() -> None:
         mlp = policy._mlp
         compiled = mlp._compiled
         rows: list[tuple[str, float, float]] = []
-        predict_us = timed(lambda o: model.predict(o, deterministic=True))
-        expected = [int(model.predict(o, deterministic=True)[0]) for o in obs[:1000]]
+        # SB3 gets the MLP's input: the observation plus, for a zip with a model table, the
+        # fitted model's features (policy.act computes them itself, and is timed with them).
+        predict_us = timed(lambda o: model.predict(policy._input(o), deterministic=True))
+        expected = [int(model.predict(policy._input(o), deterministic=True)[0]) for o in obs[:1000]]
         for label, on, n in (("numba MLP", True, N), ("plain-Python MLP", False, N_PLAIN)):
             if on and not compiled:
                 continue  # numba not installed or disabled

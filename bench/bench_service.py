@@ -511,6 +511,8 @@ def breakdown(policy_zip: Path, n: int) -> dict[str, tuple[float, float]]:
         try:
             for st in steps[:200]:
                 x = feat.update(st)
+                # The MLP's input: with a model table the policy appends the model features.
+                x = policy._input(x) if hasattr(policy, "_input") else x
                 mlp._compiled = False  # type: ignore[union-attr]
                 t0 = time.perf_counter_ns()
                 a = mlp.act(x)  # type: ignore[union-attr]

@@ -12,11 +12,17 @@ builtin name           rule
 ``vllm-dsd``           vLLM Dynamic SD's batch-size table (Llama-3.1-8B EAGLE-3 example):
                        k=5 for bs 1–16, 4 for 17–32, 3 for 33–64, 1 for 65–128, 0 above
 ``trtllm-schedule``    TensorRT-LLM ``draft_len_schedule`` {4: 4, 8: 2, 32: 1}, else 0
-``sglang-adaptive``    SGLang 0.5.23's ``AdaptiveSpeculativeParams`` with its defaults,
-                       re-implemented from ``speculative/adaptive_spec_params.py``
+``sglang-adaptive``    SGLang 0.5.23's ``AdaptiveSpeculativeParams`` with its default
+                       per-batch-size tiers, re-implemented from
+                       ``speculative/adaptive_spec_params.py`` (what a stock SGLang runs)
+``sglang-adaptive-all``  the same rule with the tiers ``sglang_hook.launch_server`` generates:
+                       every allowed depth at every batch size, starting at the middle depth
+                       (what SGLang runs under our launcher when the controller is silent)
 ``goodput``            SmartSpec-style: per-position acceptance × step cost, argmax expected
-                       tokens/s; step cost from a fitted latency model when given (the
-                       simulator), else the Featurizer's measured latency table
+                       tokens/s; step cost from a fitted latency model when given
+                       (``controller eval``'s ``goodput-fit``: the deployment's fit, while the
+                       simulated world is drawn around it), else — as ``controller serve``
+                       serves it — the Featurizer's measured latency table
 ``bandit``             discounted UCB over depths per batch-size bucket, reward = tokens/s
 ``oracle``             clairvoyant per-step best — simulator only (``agents.oracle``; the
                        registry refuses to serve it)
@@ -268,6 +274,20 @@ def make_sglang_adaptive(name: str, depths: tuple[int, ...]) -> Policy:
     return SGLangAdaptivePolicy(name, depths)
 
 
+def launcher_adaptive_config(depths: Sequence[int]) -> dict[str, dict[str, object]]:
+    """The ``--speculative-adaptive-config`` ``sglang_hook.launch_server`` generates: one key
+    routing every batch size to every allowed depth (SGLang's defaults for the rest)."""
+    return {"1": {"candidate_steps": list(depths)}}
+
+
+def make_sglang_adaptive_all(name: str, depths: tuple[int, ...]) -> Policy:
+    """SGLang's rule under our launcher: all depths at every batch size, starting where the
+    launcher starts it (``--speculative-num-steps`` = the middle allowed depth)."""
+    return SGLangAdaptivePolicy(
+        name, depths, config=launcher_adaptive_config(depths), initial_steps=depths[len(depths) // 2]
+    )
+
+
 # --------------------------------------------------------------------------- goodput
 
 
@@ -411,8 +431,17 @@ def make_bandit(name: str, depths: tuple[int, ...]) -> Policy:
     return BanditPolicy(name, depths)
 
 
-# The non-static baselines, in report order; static:K are added per allowed depth.
-BASELINES: tuple[str, ...] = ("vllm-dsd", "trtllm-schedule", "sglang-adaptive", "goodput", "bandit")
+# The non-static baselines a real deployment can run (each sees telemetry only), in report
+# order; static:K are added per allowed depth. ``controller eval`` adds ``goodput-fit`` (the
+# fitted model) and, as labelled references, ``goodput-exact`` and ``oracle``.
+BASELINES: tuple[str, ...] = (
+    "vllm-dsd",
+    "trtllm-schedule",
+    "sglang-adaptive",
+    "sglang-adaptive-all",
+    "goodput",
+    "bandit",
+)
 
 
 __all__ = [

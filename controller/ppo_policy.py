@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,11 @@ class PPOMeta:
         activation: ``"tanh"`` or ``"relu"``.
         frame_stack: how many consecutive observations (oldest first) form the MLP input.
         extra: free-form training provenance (seed, timesteps, sim), not checked.
+        model_table: the fitted latency model the policy was trained with, as a table
+            ``[depth][bs grid][ctx grid]`` of log(step time at that depth / at depth 0) over
+            :data:`MODEL_BS_GRID` × :data:`MODEL_CTX_GRID` (the observation's ``bs`` and
+            ``ctx_per_req`` features); the MLP input then carries :func:`model_features`
+            after the observation. None: the observation alone (older zips).
     """
 
     depths: tuple[int, ...]
@@ -67,8 +73,17 @@ class PPOMeta:
     activation: str = "tanh"
     frame_stack: int = 1
     extra: dict[str, Any] | None = None
+    model_table: tuple[tuple[tuple[float, ...], ...], ...] | None = None
+
+    @property
+    def input_dim(self) -> int:
+        """Entries of one frame of the MLP input: the observation, plus the model features."""
+        return self.obs_dim + (2 * len(self.depths) if self.model_table is not None else 0)
 
     def to_json(self) -> str:
+        extra_keys: dict[str, Any] = {}
+        if self.model_table is not None:
+            extra_keys["model_table"] = [[list(row) for row in t] for t in self.model_table]
         return json.dumps(
             {
                 "format": META_FORMAT,
@@ -80,6 +95,7 @@ class PPOMeta:
                 "activation": self.activation,
                 "frame_stack": self.frame_stack,
                 "extra": self.extra or {},
+                **extra_keys,
             },
             indent=1,
         )
@@ -101,6 +117,7 @@ class PPOMeta:
                 activation=str(raw.get("activation", "tanh")),
                 frame_stack=int(raw.get("frame_stack", 1)),
                 extra=dict(raw.get("extra") or {}),
+                model_table=_table(raw.get("model_table")),
             )
         except PolicyLoadError:
             raise
@@ -110,7 +127,84 @@ class PPOMeta:
             raise PolicyLoadError(f"{META_NAME}: activation {meta.activation!r} is not one of {ACTIVATIONS}")
         if meta.frame_stack < 1:
             raise PolicyLoadError(f"{META_NAME}: frame_stack must be ≥ 1, got {meta.frame_stack}")
+        if meta.model_table is not None:
+            shape = (len(meta.depths), len(MODEL_BS_GRID), len(MODEL_CTX_GRID))
+            got = (
+                len(meta.model_table),
+                len(meta.model_table[0]) if meta.model_table else 0,
+                len(meta.model_table[0][0]) if meta.model_table and meta.model_table[0] else 0,
+            )
+            if got != shape or any(len(r) != shape[2] for t in meta.model_table for r in t):
+                raise PolicyLoadError(f"{META_NAME}: model_table has shape {got}, expected {shape}")
         return meta
+
+
+def _table(raw: Any) -> tuple[tuple[tuple[float, ...], ...], ...] | None:
+    if raw is None:
+        return None
+    return tuple(tuple(tuple(float(v) for v in row) for row in t) for t in raw)
+
+
+# --------------------------------------------------------------------------- model features
+
+# Grids of the model table, in the observation's own units: ``bs`` = log1p(bs)/log1p(256)
+# (batch 1 … ~512) and ``ctx_per_req`` = log1p(ctx/bs)/log1p(32768) (0 … 32k tokens).
+MODEL_BS_GRID: Final = tuple(i * 1.125 / 18 for i in range(19))
+MODEL_CTX_GRID: Final = tuple(i / 10 for i in range(11))
+
+
+def model_table_array(table: Any) -> np.ndarray:
+    """A model table (:attr:`PPOMeta.model_table`) as a contiguous float64 array."""
+    return np.ascontiguousarray(np.asarray(table, dtype=np.float64))
+
+
+def model_inputs(depths: Sequence[int]) -> np.ndarray:
+    """Where the model features read the observation: the indices of ``bs``,
+    ``ctx_per_req`` and each ``tokens_k``, and each depth + 1 (an int64 array)."""
+    names = Featurizer(depths).feature_names
+    idx = [names.index("bs"), names.index("ctx_per_req")]
+    idx += [names.index(f"tokens_{d}") for d in depths]
+    idx += [int(d) + 1 for d in depths]
+    return np.asarray(idx, dtype=np.int64)
+
+
+@maybe_njit_reassoc
+def _interp(grid_step: float, n: int, x: float) -> tuple[int, float]:
+    u = x / grid_step
+    if u <= 0.0:
+        return 0, 0.0
+    if u >= n - 1:
+        return n - 2, 1.0
+    i = int(u)
+    return i, u - i
+
+
+@maybe_njit_reassoc
+def model_features(obs: np.ndarray, table: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+    """The MLP input of a policy with a model table: ``obs`` then, per depth k, the fitted
+    model's log(step time at k / at 0) for this batch size and context (interpolated in the
+    table, ±2) and the model's expected goodput at k relative to depth 0,
+    log(tokens_k·(k+1) / that time ratio) (±2) — what ``goodput-fit`` maximises."""
+    nd = table.shape[0]
+    nb, nc = table.shape[1], table.shape[2]
+    out = np.empty(len(obs) + 2 * nd, dtype=np.float32)
+    for i in range(len(obs)):
+        out[i] = obs[i]
+    ib, fb = _interp(1.125 / (nb - 1), nb, obs[inputs[0]])
+    ic, fc = _interp(1.0 / (nc - 1), nc, obs[inputs[1]])
+    o = len(obs)
+    for k in range(nd):
+        lat = (
+            table[k, ib, ic] * (1.0 - fb) * (1.0 - fc)
+            + table[k, ib + 1, ic] * fb * (1.0 - fc)
+            + table[k, ib, ic + 1] * (1.0 - fb) * fc
+            + table[k, ib + 1, ic + 1] * fb * fc
+        )
+        tok = max(float(obs[inputs[2 + k]]) * inputs[2 + nd + k], 1e-6)
+        g = math.log(tok) - lat
+        out[o + k] = min(max(lat, -2.0), 2.0)
+        out[o + nd + k] = min(max(g, -2.0), 2.0)
+    return out
 
 
 def meta_for(
@@ -119,8 +213,10 @@ def meta_for(
     activation: str = "tanh",
     frame_stack: int = 1,
     extra: dict[str, Any] | None = None,
+    model_table: Any = None,
 ) -> PPOMeta:
-    """The metadata of a policy trained on this checkout's Featurizer for ``depths``."""
+    """The metadata of a policy trained on this checkout's Featurizer for ``depths`` (with
+    a fitted model's table, :attr:`PPOMeta.model_table`, when given)."""
     feat = Featurizer(depths)
     return PPOMeta(
         depths=tuple(int(d) for d in depths),
@@ -131,6 +227,7 @@ def meta_for(
         activation=activation,
         frame_stack=frame_stack,
         extra=extra,
+        model_table=_table(model_table.tolist() if isinstance(model_table, np.ndarray) else model_table),
     )
 
 
@@ -204,18 +301,30 @@ class MLP:
                 )
                 self._compiled = False
 
-    def argmax_kernel(self) -> Callable[[np.ndarray], int] | None:
+    def argmax_kernel(
+        self, model: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> Callable[[np.ndarray], int] | None:
         """A compiled ``obs -> action`` with this MLP's weights built in as constants, for
         :func:`controller.features.fuse`; None without numba. Compiles in this process
-        (~0.4 s together with the fused kernel), so call it once per loaded policy."""
+        (~0.4 s together with the fused kernel), so call it once per loaded policy.
+
+        ``model``: ``(table, inputs)`` of a policy with a model table: the kernel appends
+        :func:`model_features` to the observation first."""
         if not self._compiled:
             return None
         layers, relu = self._layers, self._relu
+        if model is None:
 
-        def argmax(x: np.ndarray) -> int:
-            return _mlp_argmax(x, layers, relu)
+            def argmax(x: np.ndarray) -> int:
+                return _mlp_argmax(x, layers, relu)
 
-        return njit_uncached(argmax)
+            return njit_uncached(argmax)
+        table, inputs = model
+
+        def argmax_model(x: np.ndarray) -> int:
+            return _mlp_argmax(model_features(x, table, inputs), layers, relu)
+
+        return njit_uncached(argmax_model)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Action logits for one observation (1-D) or a batch (2-D, one row each)."""
@@ -346,10 +455,10 @@ def _load_weights(sd: dict[str, Any], meta: PPOMeta, path: Path) -> list[tuple[n
             f"{path}: policy.pth has hidden widths {list(widths)}, {META_NAME} says {list(meta.net_arch)}"
         )
     in_dim = layers[0][0].shape[1]
-    if in_dim != meta.obs_dim * meta.frame_stack:
+    if in_dim != meta.input_dim * meta.frame_stack:
         raise PolicyLoadError(
-            f"{path}: the policy's input has {in_dim} entries, but obs_dim {meta.obs_dim} × "
-            f"frame_stack {meta.frame_stack} = {meta.obs_dim * meta.frame_stack}"
+            f"{path}: the policy's input has {in_dim} entries, but its input ({meta.input_dim}: obs_dim "
+            f"{meta.obs_dim} + model features) × frame_stack {meta.frame_stack} = {meta.input_dim * meta.frame_stack}"
         )
     for (w_prev, _), (w, _) in zip(layers, layers[1:]):
         if w.shape[1] != w_prev.shape[0]:
@@ -390,10 +499,10 @@ def read_ppo_zip(path: str | Path) -> tuple[PPOMeta, MLP]:
             raise PolicyLoadError(f"{path}: SB3's data member is not JSON") from None
         pth = _read_member(zf, "policy.pth", path)
     obs_dim, n_actions = _space_sizes(data if isinstance(data, dict) else {})
-    if obs_dim is not None and obs_dim != meta.obs_dim * meta.frame_stack:
+    if obs_dim is not None and obs_dim != meta.input_dim * meta.frame_stack:
         raise PolicyLoadError(
             f"{path}: SB3's observation space has {obs_dim} entries, {META_NAME} says "
-            f"{meta.obs_dim} × frame_stack {meta.frame_stack}"
+            f"{meta.input_dim} × frame_stack {meta.frame_stack}"
         )
     if n_actions is not None and n_actions != len(meta.depths):
         raise PolicyLoadError(
@@ -458,14 +567,23 @@ class PPOPolicy:
         self._k = meta.frame_stack
         self._stack: np.ndarray | None = None
         self.fused = fused if self._k == 1 else None
+        self._table = model_table_array(meta.model_table) if meta.model_table is not None else None
+        self._inputs = model_inputs(meta.depths)
+        self._features = model_features if JIT_ENABLED else _plain(model_features)
 
     def reset(self) -> None:
         self._stack = None
 
+    def _input(self, obs: np.ndarray) -> np.ndarray:
+        if self._table is None:
+            return obs
+        return self._features(np.asarray(obs, dtype=np.float32), self._table, self._inputs)  # type: ignore[no-any-return]
+
     def act(self, obs: np.ndarray, step: Step) -> int:
+        obs = self._input(obs)
         if self._k == 1:
             return self._mlp.act(obs)
-        n = self.meta.obs_dim
+        n = self.meta.input_dim
         if self._stack is None:
             # Like a frame-stacking wrapper at reset: the first observation fills every slot.
             self._stack = np.tile(np.asarray(obs, dtype=np.float32), self._k)
@@ -476,7 +594,7 @@ class PPOPolicy:
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Logits of one observation (frame_stack 1 only); for tests and diagnostics."""
-        return self._mlp.logits(obs)
+        return self._mlp.logits(self._input(obs))
 
 
 class PPOFactory:
@@ -497,7 +615,11 @@ class PPOFactory:
         if self._fused is not None or self.meta.frame_stack != 1:
             return
         try:
-            consume = self._mlp.argmax_kernel()
+            consume = self._mlp.argmax_kernel(
+                None
+                if self.meta.model_table is None
+                else (model_table_array(self.meta.model_table), model_inputs(self.meta.depths))
+            )
             fused = fuse(consume) if consume is not None else None
             if fused is not None:  # compile now, not on the first decision
                 warm_up(fused, self.meta.depths)
@@ -534,6 +656,8 @@ def load_ppo_factory(path: str | Path, depths: Sequence[int] | None = None) -> P
 
 
 __all__ = [
+    "MODEL_BS_GRID",
+    "MODEL_CTX_GRID",
     "META_NAME",
     "MLP",
     "PPOFactory",
@@ -543,6 +667,9 @@ __all__ = [
     "load_ppo_factory",
     "meta_for",
     "mlp_logits",
+    "model_features",
+    "model_inputs",
+    "model_table_array",
     "policy_net_layers",
     "read_ppo_zip",
     "write_metadata",

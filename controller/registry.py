@@ -16,6 +16,7 @@ from controller.baselines import (
     make_bandit,
     make_goodput,
     make_sglang_adaptive,
+    make_sglang_adaptive_all,
     make_static,
     make_trtllm,
     make_vllm_dsd,
@@ -37,6 +38,7 @@ BUILTINS: dict[str, Callable[[str, tuple[int, ...]], Policy]] = {
     "vllm-dsd": make_vllm_dsd,
     "trtllm-schedule": make_trtllm,
     "sglang-adaptive": make_sglang_adaptive,
+    "sglang-adaptive-all": make_sglang_adaptive_all,
     "goodput": make_goodput,
     "bandit": make_bandit,
     # Named so that the service says why it cannot serve it; the simulator builds the oracle

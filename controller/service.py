@@ -764,7 +764,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         required=True,
         metavar="SPEC",
         help="a PPO zip written by `controller train`, or builtin:NAME: builtin:static:3 (always depth 3; any "
-        "static:K), vllm-dsd, trtllm-schedule, sglang-adaptive, goodput, bandit",
+        "static:K), vllm-dsd, trtllm-schedule, sglang-adaptive, sglang-adaptive-all, goodput, bandit",
     )
     p.add_argument(
         "--bind",

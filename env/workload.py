@@ -12,9 +12,13 @@ BASE                               meaning
                                    PERIOD_S seconds, LO req/s otherwise
 ``ramp:R0,R1,DURATION_S``          Poisson with the rate ramping linearly R0 → R1 over
                                    DURATION_S, then held at R1
+``wave:LO,HI,PERIOD_S``            Poisson with the rate swinging LO → HI → LO every PERIOD_S
+                                   (raised cosine, starting at LO): a trickle to overload and
+                                   back
 ``phase:PERIOD_S:BASE``            BASE's arrivals; requests arriving in odd half-periods are
-                                   code-like (acceptance shifted by ``code_shift``), even
-                                   ones chat-like: an acceptance phase shift every PERIOD_S/2
+                                   code-like (acceptance shifted by ``code_shift``, or by
+                                   ``odd_shift``), even ones chat-like: an acceptance phase
+                                   shift every PERIOD_S/2 (and a length shift with ``odd_long``)
 ``replay:PATH``                    arrivals replayed: a CSV with ``arrival_s,prompt_tokens``
                                    (and optionally ``output_tokens``), or a trace folder,
                                    where every record with ``prefill_tokens > 0`` becomes
@@ -22,10 +26,32 @@ BASE                               meaning
 ``preset:NAME``                    a spec stored in the deployment (``workload.presets``)
 =================================  ==========================================================
 
-Options after ``@``: ``prompt=N`` / ``output=N`` fix the lengths (tokens) instead of drawing
-them from the deployment's length distributions; ``accept_shift=X`` adds X logits to every
-request's acceptance; ``n=N`` stops arrivals after N requests (the episode then ends when
-they complete). Example: ``closed:1@prompt=128,output=256,accept_shift=1.0``.
+Options after ``@`` (comma-separated ``key=value``):
+
+=============================  ================================================================
+option                         meaning
+=============================  ================================================================
+``prompt=N`` / ``output=N``    fix the lengths (tokens) instead of drawing them from the
+                               deployment's distributions; ``prompt=LO-HI``: log-uniform
+``accept_shift=X``             add X logits to every request's acceptance
+``n=N``                        stop arrivals after N requests (the episode then ends when they
+                               complete)
+``long=F:LO-HI``               a fraction F of requests has a long prompt, log-uniform in
+                               LO..HI tokens (a mix of short requests and long documents)
+``mix=TASK:F+TASK:F...``       the task of each request, drawn with these fractions (the rest
+                               ``chat``): its acceptance is shifted by :data:`TASK_SHIFTS`
+``ctx_slope=X``                a request whose prompt is longer than 1,024 tokens accepts
+                               ``X·log2(prompt/1024)`` logits less (long inputs are drafted
+                               worse); a property of the requests, fixed at arrival
+``odd_shift=X``                with ``phase:``, the acceptance shift of odd half-periods
+                               (default: the deployment's ``code_shift``)
+``odd_long=F:LO-HI``           with ``phase:``, ``long`` for requests arriving in odd
+                               half-periods (even ones keep ``long``, or none)
+=============================  ================================================================
+
+Example: ``closed:1@prompt=128,output=256,accept_shift=1.0``;
+``phase:20:closed:32@accept_shift=-3,odd_shift=4`` alternates between a drafter that accepts
+almost nothing (−3 logits) and one better than the fit (+1) every 10 s.
 """
 
 from __future__ import annotations
@@ -39,6 +65,14 @@ import numpy as np
 
 from controller.errors import ConfigError
 from env.errors import FitError
+
+# Per-task acceptance offsets (logits) for ``mix=``, calibrated with the acceptance model
+# (``env.acceptance.mean_accept_length``) on both bundled deployments to the published EAGLE-3
+# figures (``reference/acceptance.md``): code and math accept more than chat — the EAGLE-3
+# model card's accepted lengths at T=1, k=7 are MT-bench 2.77, HumanEval 3.49, GSM8K 3.34 —
+# and long documents are drafted badly (5–8% acceptance, vLLM issue #52258).
+# ``tests/test_suite.py`` checks the calibration.
+TASK_SHIFTS: dict[str, float] = {"chat": 0.0, "code": 0.55, "math": 0.44, "longdoc": -3.7}
 
 
 @dataclass(frozen=True)
@@ -80,6 +114,45 @@ class WorkloadSpec:
     accept_shift: float = 0.0
     n_requests: int | None = None
     text: str = ""
+    prompt_range: tuple[int, int] | None = None
+    long_frac: float = 0.0
+    long_range: tuple[int, int] = (4096, 16384)
+    odd_long_frac: float | None = None
+    odd_long_range: tuple[int, int] = (4096, 16384)
+    task_mix: tuple[tuple[str, float], ...] = ()
+    ctx_slope: float = 0.0
+    odd_shift: float | None = None
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    a, b = int(lo), int(hi)
+    if not 0 < a <= b:
+        raise ValueError
+    return a, b
+
+
+def _frac_range(text: str) -> tuple[float, tuple[int, int]]:
+    f, _, rng = text.partition(":")
+    frac = float(f)
+    if not 0.0 <= frac <= 1.0:
+        raise ValueError
+    return frac, _range(rng) if rng else (4096, 16384)
+
+
+def _task_mix(text: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for part in text.split("+"):
+        name, _, f = part.partition(":")
+        if name not in TASK_SHIFTS:
+            raise ConfigError(f"mix: unknown task {name!r} (known: {', '.join(TASK_SHIFTS)})")
+        frac = float(f)
+        if frac < 0:
+            raise ValueError
+        out.append((name, frac))
+    if sum(f for _, f in out) > 1.0 + 1e-9:
+        raise ValueError
+    return tuple(out)
 
 
 def parse_workload(spec: str, presets: dict[str, str] | None = None) -> WorkloadSpec:
@@ -94,7 +167,19 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
             try:
                 if not eq:
                     raise ValueError
-                if key in ("prompt", "output", "n"):
+                if key == "prompt" and "-" in val:
+                    kw["prompt_range"] = _range(val)
+                elif key == "long":
+                    kw["long_frac"], kw["long_range"] = _frac_range(val)
+                elif key == "odd_long":
+                    kw["odd_long_frac"], kw["odd_long_range"] = _frac_range(val)
+                elif key == "mix":
+                    kw["task_mix"] = _task_mix(val)
+                elif key == "ctx_slope":
+                    kw["ctx_slope"] = float(val)
+                elif key == "odd_shift":
+                    kw["odd_shift"] = float(val)
+                elif key in ("prompt", "output", "n"):
                     num = int(val)
                     if num <= 0:
                         raise ValueError
@@ -103,10 +188,14 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
                     kw["accept_shift"] = float(val)
                 else:
                     raise ConfigError(
-                        f"workload {spec!r}: unknown option {key!r} (prompt, output, accept_shift, n)"
+                        f"workload {spec!r}: unknown option {key!r} (prompt, output, accept_shift, n, "
+                        "long, mix, ctx_slope, odd_shift, odd_long)"
                     )
             except ValueError:
-                raise ConfigError(f"workload {spec!r}: option {item!r} needs a positive number") from None
+                raise ConfigError(
+                    f"workload {spec!r}: option {item!r} needs a positive number (a range LO-HI, "
+                    "a fraction F:LO-HI, or TASK:F+TASK:F)"
+                ) from None
     kind, _, rest = base.partition(":")
     if kind == "preset":
         if not presets or rest not in presets:
@@ -130,11 +219,11 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
         if not rest:
             raise ConfigError(f"workload {spec!r}: replay needs a PATH")
         return WorkloadSpec(kind="replay", path=rest, text=text, **kw)  # type: ignore[arg-type]
-    nargs = {"closed": (1, 1), "poisson": (1, 1), "burst": (3, 4), "ramp": (3, 3)}
+    nargs = {"closed": (1, 1), "poisson": (1, 1), "burst": (3, 4), "ramp": (3, 3), "wave": (3, 3)}
     if kind not in nargs:
         raise ConfigError(
             f"workload {spec!r}: unknown kind {kind!r}; use closed:C, poisson:RATE, burst:LO,HI,PERIOD_S[,DUTY], "
-            "ramp:R0,R1,DURATION_S, phase:PERIOD_S:BASE, replay:PATH or preset:NAME"
+            "ramp:R0,R1,DURATION_S, wave:LO,HI,PERIOD_S, phase:PERIOD_S:BASE, replay:PATH or preset:NAME"
         )
     try:
         args = tuple(float(x) for x in rest.split(",")) if rest else ()
@@ -145,7 +234,7 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
         raise ConfigError(f"workload {spec!r}: {kind} takes {lo}..{hi} non-negative numbers")
     if kind == "closed" and (args[0] < 1 or args[0] != int(args[0])):
         raise ConfigError(f"workload {spec!r}: closed:C needs an integer C >= 1")
-    if kind in ("burst", "ramp") and args[2] <= 0:
+    if kind in ("burst", "ramp", "wave") and args[2] <= 0:
         raise ConfigError(f"workload {spec!r}: the period/duration must be > 0")
     return WorkloadSpec(kind=kind, args=args, text=text, **kw)  # type: ignore[arg-type]
 
@@ -179,9 +268,27 @@ class Arrivals:
             self._advance(0)
 
     # -- lengths ---------------------------------------------------------------
-    def _lengths(self) -> tuple[int, int]:
+    def _odd(self, t_us: int) -> bool:
+        """Whether ``t_us`` falls in an odd half-period of a ``phase:`` workload."""
+        if self.spec.phase_period_s <= 0:
+            return False
+        return int(t_us // (self.spec.phase_period_s * 5e5)) % 2 == 1
+
+    def _lengths(self, t_us: int = 0) -> tuple[int, int]:
         wp, s = self.wp, self.spec
-        if s.prompt_tokens is not None:
+        frac, rng_lh = s.long_frac, s.long_range
+        if s.odd_long_frac is not None and self._odd(t_us):
+            frac, rng_lh = s.odd_long_frac, s.odd_long_range
+        # Extra draws only for the options that need them: specs without them consume the
+        # stream exactly as before.
+        long = frac > 0.0 and self.rng.random() < frac
+        if long:
+            lo, hi = rng_lh
+            prompt = int(math.exp(self.rng.uniform(math.log(lo), math.log(hi))))
+        elif s.prompt_range is not None:
+            lo, hi = s.prompt_range
+            prompt = int(math.exp(self.rng.uniform(math.log(lo), math.log(hi))))
+        elif s.prompt_tokens is not None:
             prompt = s.prompt_tokens
         else:
             draw = wp.prompt_median_tokens * math.exp(wp.prompt_sigma * self.rng.standard_normal())
@@ -193,13 +300,23 @@ class Arrivals:
             out = int(min(max(draw, wp.output_min_tokens), wp.output_max_tokens))
         return prompt, out
 
-    def shift_at(self, t_us: int) -> float:
-        """Acceptance offset (logits) of a request arriving at ``t_us``."""
-        shift = self.spec.accept_shift
-        if self.spec.phase_period_s > 0:
-            half_us = self.spec.phase_period_s * 5e5
+    def shift_at(self, t_us: int, prompt: int = 0) -> float:
+        """Acceptance offset (logits) of a request arriving at ``t_us`` with ``prompt`` tokens."""
+        s = self.spec
+        shift = s.accept_shift
+        if s.phase_period_s > 0:
+            half_us = s.phase_period_s * 5e5
             if int(t_us // half_us) % 2 == 1:
-                shift += self.code_shift
+                shift += self.code_shift if s.odd_shift is None else s.odd_shift
+        if s.task_mix:
+            u = self.rng.random()
+            for name, frac in s.task_mix:
+                if u < frac:
+                    shift += TASK_SHIFTS[name]
+                    break
+                u -= frac
+        if s.ctx_slope and prompt > 1024:
+            shift -= s.ctx_slope * math.log2(prompt / 1024)
         return shift
 
     def _exhausted(self) -> bool:
@@ -215,6 +332,8 @@ class Arrivals:
             return a[1] if (t_s % a[2]) < duty * a[2] else a[0]
         if k == "ramp":
             return a[0] + (a[1] - a[0]) * min(t_s / a[2], 1.0)
+        if k == "wave":
+            return a[0] + (a[1] - a[0]) * 0.5 * (1.0 - math.cos(2.0 * math.pi * t_s / a[2]))
         return 0.0
 
     def _advance(self, now_us: int) -> None:
@@ -229,7 +348,7 @@ class Arrivals:
                 self._next_t = None
             return
         a = self.spec.args
-        rmax = max(a[:2]) if self.spec.kind in ("burst", "ramp") else a[0]
+        rmax = max(a[:2]) if self.spec.kind in ("burst", "ramp", "wave") else a[0]
         if rmax <= 0:
             self._next_t = None
             return
@@ -256,20 +375,21 @@ class Arrivals:
             _, prompt, out = self._replay[self._replay_i]
             self._replay_i += 1
             if out is None or self.spec.output_tokens is not None:
-                out = self._lengths()[1]
+                out = self._lengths(t)[1]
         else:
-            prompt, out = self._lengths()
+            prompt, out = self._lengths(t)
         self.issued += 1
+        shift = self.shift_at(t, prompt)
         self._advance(t)
-        return t, prompt, out, self.shift_at(t)
+        return t, prompt, out, shift
 
     # -- closed loop ---------------------------------------------------------------
     def _issue_closed(self, t_us: int) -> None:
         if self._exhausted():
             return
-        prompt, out = self._lengths()
+        prompt, out = self._lengths(t_us)
         self.issued += 1
-        self._pending.append((t_us, prompt, out, self.shift_at(t_us)))
+        self._pending.append((t_us, prompt, out, self.shift_at(t_us, prompt)))
 
     def on_complete(self, t_us: int) -> None:
         """A request completed at ``t_us``: in a closed loop its client sends the next one."""

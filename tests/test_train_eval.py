@@ -77,10 +77,46 @@ def test_training_is_reproducible_for_a_seed(trained, tmp_path):
 def test_workload_pool_covers_every_regime():
     pool = workload_pool(np.random.default_rng(0), capacity=10.0, n=400)
     kinds = {w.split(":")[0] for w in pool}
-    assert kinds == {"closed", "poisson", "ramp", "burst", "phase"}
-    cs = [int(w.split(":")[1]) for w in pool if w.startswith("closed:")]
+    assert kinds == {"closed", "poisson", "ramp", "burst", "phase", "wave"}
+    assert any("odd_shift=" in w for w in pool), "drafter-quality alternation"
+    assert any("long=" in w for w in pool) and any("mix=" in w for w in pool)
+    cs = [int(w.split(":")[1].split("@")[0]) for w in pool if w.startswith("closed:")]
     assert min(cs) == 1 and max(cs) >= 200
     assert pool == workload_pool(np.random.default_rng(0), capacity=10.0, n=400)
+
+
+@pytest.mark.slow
+def test_the_fitted_model_features_are_served_as_trained(trained):
+    """The zip carries the fit's latency table; SB3 (on the training env's observations), the
+    policy's two-call path and the fused kernel controller serve runs pick the same depths."""
+    from stable_baselines3 import PPO
+
+    from agents.train import ModelFeatures, fit_model_table
+    from controller.features import Featurizer
+    from env.deployments import load_deployment
+    from env.gym_env import SpecDecodeEnv
+
+    depths = (0, 1, 2, 3, 5)
+    factory = load_ppo_factory(trained, depths)
+    table = fit_model_table(load_deployment("seed"), depths)
+    assert factory.meta.model_table is not None
+    np.testing.assert_allclose(np.asarray(factory.meta.model_table), table)
+    factory.prepare_serving()
+    policy = factory(depths)
+    sb3 = PPO.load(trained, device="cpu")
+    env = ModelFeatures(
+        SpecDecodeEnv(deployment="seed", workload="phase:2:closed:12@accept_shift=-2,odd_shift=4"), table
+    )
+    env.reset(seed=3)
+    two_call, fused = Featurizer(depths), Featurizer(depths)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        obs, *_, info = env.step(int(rng.integers(len(depths))))
+        step = info["step"]
+        a = policy.act(two_call.update(step), step)
+        assert a == int(sb3.predict(obs, deterministic=True)[0])
+        if policy.fused is not None:
+            assert fused.update_with(step, policy.fused) == a
 
 
 def test_ci95():
