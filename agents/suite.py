@@ -85,7 +85,7 @@ class Scenario:
 
 # Mixes used by several scenarios.
 _TASKS = "mix=code:0.25+math:0.2+longdoc:0.08"
-_LONG = "long=0.25:4096-16384,ctx_slope=0.35"
+_LONG = "long=0.25:4096-16384"  # long prompts accept less: the deployment's fall with context
 _ALT = "accept_shift=-3,odd_shift=4"  # −3 logits ↔ +1: a useless drafter ↔ a better one
 
 SUITES: dict[str, tuple[Scenario, ...]] = {
@@ -93,7 +93,7 @@ SUITES: dict[str, tuple[Scenario, ...]] = {
         # --- h200-llama8b: 8B target on one H200 ------------------------------------------
         Scenario("llama8b/taskmix-c16", "h200-llama8b", f"closed:16@{_TASKS}", 40, False,
                  label="C=16, chat/code/math/long-document mix"),
-        Scenario("llama8b/long-prompts-c16", "h200-llama8b", "closed:16@prompt=100-32000,ctx_slope=0.35",
+        Scenario("llama8b/long-prompts-c16", "h200-llama8b", "closed:16@prompt=100-32000",
                  40, False, label="C=16, prompts 100-32k tokens, long ones accept less"),
         Scenario("llama8b/drafter-alt-c8", "h200-llama8b", f"phase:20:closed:8@{_ALT}", 60, True,
                  label="C=8, drafter quality −3 ↔ +1 logits every 10 s"),

@@ -288,8 +288,6 @@ def workload_pool(rng: np.random.Generator, capacity: float, n: int, max_c: int 
                 opts.append(f"long={rng.uniform(0.05, 0.5):.2f}:{lo_p}-{min(32768, lo_p * 4)}")
             elif rng.random() < 0.3:
                 opts.append("prompt=100-32000")
-            if rng.random() < 0.5:
-                opts.append(f"ctx_slope={rng.uniform(0.0, 0.6):.2f}")
             if opts:
                 spec += (",", "@")["@" not in spec] + ",".join(opts)
         out.append(spec)

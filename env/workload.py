@@ -40,9 +40,6 @@ option                         meaning
                                LO..HI tokens (a mix of short requests and long documents)
 ``mix=TASK:F+TASK:F...``       the task of each request, drawn with these fractions (the rest
                                ``chat``): its acceptance is shifted by :data:`TASK_SHIFTS`
-``ctx_slope=X``                a request whose prompt is longer than 1,024 tokens accepts
-                               ``X·log2(prompt/1024)`` logits less (long inputs are drafted
-                               worse); a property of the requests, fixed at arrival
 ``odd_shift=X``                with ``phase:``, the acceptance shift of odd half-periods
                                (default: the deployment's ``code_shift``)
 ``odd_long=F:LO-HI``           with ``phase:``, ``long`` for requests arriving in odd
@@ -120,7 +117,6 @@ class WorkloadSpec:
     odd_long_frac: float | None = None
     odd_long_range: tuple[int, int] = (4096, 16384)
     task_mix: tuple[tuple[str, float], ...] = ()
-    ctx_slope: float = 0.0
     odd_shift: float | None = None
 
 
@@ -175,8 +171,6 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
                     kw["odd_long_frac"], kw["odd_long_range"] = _frac_range(val)
                 elif key == "mix":
                     kw["task_mix"] = _task_mix(val)
-                elif key == "ctx_slope":
-                    kw["ctx_slope"] = float(val)
                 elif key == "odd_shift":
                     kw["odd_shift"] = float(val)
                 elif key in ("prompt", "output", "n"):
@@ -189,7 +183,7 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
                 else:
                     raise ConfigError(
                         f"workload {spec!r}: unknown option {key!r} (prompt, output, accept_shift, n, "
-                        "long, mix, ctx_slope, odd_shift, odd_long)"
+                        "long, mix, odd_shift, odd_long)"
                     )
             except ValueError:
                 raise ConfigError(
@@ -315,8 +309,6 @@ class Arrivals:
                     shift += TASK_SHIFTS[name]
                     break
                 u -= frac
-        if s.ctx_slope and prompt > 1024:
-            shift -= s.ctx_slope * math.log2(prompt / 1024)
         return shift
 
     def _exhausted(self) -> bool:

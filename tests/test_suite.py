@@ -59,11 +59,15 @@ def test_long_prompts_and_prompt_ranges():
     assert np.median(prompts) == pytest.approx(np.sqrt(100 * 32000), rel=0.2)  # log-uniform
 
 
-def test_long_prompts_accept_less_with_ctx_slope():
-    arr = _arrivals("poisson:50@prompt=100-32000,ctx_slope=0.5", 500)
-    for _, prompt, _, shift in arr:
-        want = -0.5 * np.log2(prompt / 1024) if prompt > 1024 else 0.0
-        assert shift == pytest.approx(want)
+def test_long_prompts_accept_less_through_the_deployment_not_the_workload():
+    # The fall with context is one formula, the deployment's (AcceptanceParams.ctx_shift):
+    # a workload's arrivals carry no context shift of their own.
+    from env.deployments import load_deployment
+
+    arr = _arrivals("poisson:50@prompt=100-32000", 300)
+    assert all(shift == 0.0 for *_, shift in arr)
+    acc = load_deployment("h200-llama8b").acceptance
+    assert acc.ctx_shift(20_000) < acc.ctx_shift(2_000) <= 0.0
 
 
 def test_phase_odd_shift_and_odd_long_follow_the_half_periods():
