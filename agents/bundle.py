@@ -1,6 +1,6 @@
 """Rebuild the bundled demo policies and their eval reports: ``python -m agents.bundle``.
 
-For each bundled deployment (``h200-llama8b``, ``seed``) it runs exactly what a user would:
+For each bundled deployment (:data:`DEPLOYMENTS`) it runs exactly what a user would:
 
     controller train --deployment NAME --out agents/bundled/NAME/ppo.zip --seed 0
     controller eval --deployment NAME --policy agents/bundled/NAME/ppo.zip --baselines all \\
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 BUNDLED = Path(__file__).resolve().parent / "bundled"
-DEPLOYMENTS = ("h200-llama8b", "seed")
+DEPLOYMENTS = ("h200-llama8b", "seed", "h200-llama8b-longctx", "h200-70b")
 
 
 def main(argv: list[str] | None = None) -> int:
