@@ -17,6 +17,17 @@ REFERENCES = ("oracle", "goodput-exact")
 HEADROOM_MIN = 1.05
 
 
+def targets_table(targets: list[dict[str, Any]]) -> list[str]:
+    """The report's "Targets" section: each target's value, threshold and whether it is met."""
+    if not targets:
+        return []
+    lines = ["## Targets", "", "| target | value | threshold | met |", "|---|---|---|---|"]
+    for t in targets:
+        mark = "yes" if t["passed"] else f"**no** (short by {t['threshold'] - t['value']:.3f})"
+        lines.append(f"| {t['name']} ({t['detail']}) | {t['value']:.3f} | {t['threshold']:.3f} | {mark} |")
+    return [*lines, ""]
+
+
 def ci95(values: Sequence[float]) -> tuple[float, float, float]:
     """Mean and Student-t 95% confidence interval of the mean."""
     x = np.asarray(values, dtype=float)
@@ -136,14 +147,7 @@ def write_eval_outputs(results: dict[str, Any], out: Path, notes: str = "") -> P
         "tokens/s). Values are mean ± 95% CI half-width over seeds.",
         "",
     ]
-    if results["targets"]:
-        lines += ["## Targets", "", "| target | value | threshold | met |", "|---|---|---|---|"]
-        for t in results["targets"]:
-            mark = "yes" if t["passed"] else f"**no** (short by {t['threshold'] - t['value']:.3f})"
-            lines.append(
-                f"| {t['name']} ({t['detail']}) | {t['value']:.3f} | {t['threshold']:.2f} | {mark} |"
-            )
-        lines.append("")
+    lines += targets_table(results["targets"])
     if notes:
         lines += [notes, ""]
     hr = [(s, w["headroom"]) for s, w in results["workloads"].items() if w.get("headroom") is not None]
@@ -428,14 +432,7 @@ def write_suite_outputs(results: dict[str, Any], out: Path) -> Path:
         "(the fitted latency model).",
         "",
     ]
-    if results["targets"]:
-        lines += ["## Targets", "", "| target | value | threshold | met |", "|---|---|---|---|"]
-        for t in results["targets"]:
-            mark = "yes" if t["passed"] else f"**no** (short by {t['threshold'] - t['value']:.3f})"
-            lines.append(
-                f"| {t['name']} ({t['detail']}) | {t['value']:.3f} | {t['threshold']:.3f} | {mark} |"
-            )
-        lines.append("")
+    lines += targets_table(results["targets"])
     if results.get("missing"):
         lines += ["## Missing", ""]
         lines += [
