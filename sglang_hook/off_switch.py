@@ -146,6 +146,14 @@ def plain_runner_class(base: type) -> type:
             finally:
                 model_runner.spec_algorithm = saved
 
+        def can_run_graph(self, forward_batch: Any) -> bool:
+            # SGLang's model runner asks again before replaying. A verify batch (the fallback
+            # after a failed plain step) passes the width check at one token per request, and
+            # replaying these DECODE graphs with its lengths would attend without the new token.
+            if not forward_batch.forward_mode.is_decode():
+                return False
+            return bool(super().can_run_graph(forward_batch))
+
         @property  # type: ignore[override]
         def return_hidden_states_mode(self) -> Any:
             return CaptureHiddenMode.FULL

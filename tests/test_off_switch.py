@@ -45,6 +45,9 @@ class RecordingRunner:
         self.return_hidden_states_mode = CaptureHiddenMode.NULL  # what BaseRunner assigns
         self.capture_hidden_mode = self.return_hidden_states_mode
 
+    def can_run_graph(self, forward_batch: Any) -> bool:
+        return True  # SGLang's checks: width and batch size, not the mode
+
 
 def test_plain_runner_is_built_non_speculative_and_keeps_hidden_states() -> None:
     cls = off_switch.plain_runner_class(RecordingRunner)
@@ -56,6 +59,15 @@ def test_plain_runner_is_built_non_speculative_and_keeps_hidden_states() -> None
     assert runner.capture_hidden_mode == CaptureHiddenMode.FULL  # the drafter reads them
     assert off_switch.is_plain(runner) and not off_switch.is_plain(RecordingRunner(model_runner))
     assert off_switch.plain_runner_class(RecordingRunner) is cls
+
+
+def test_plain_graphs_replay_only_decode_batches() -> None:
+    # The fallback after a failed plain step hands SGLang a one-token verify batch: the model
+    # runner must run it eagerly, never through these DECODE graphs.
+    runner = off_switch.plain_runner_class(RecordingRunner)(SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.EAGLE3))
+    assert runner.can_run_graph(SimpleNamespace(forward_mode=ForwardMode.DECODE))
+    assert not runner.can_run_graph(SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY))
+    assert not runner.can_run_graph(SimpleNamespace(forward_mode=ForwardMode.IDLE))
 
 
 def test_plain_runner_restores_the_algorithm_when_capture_fails() -> None:
