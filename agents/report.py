@@ -28,6 +28,15 @@ def targets_table(targets: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def _write_report(out: Path, lines: list[str], plots: list[Path]) -> Path:
+    """``out/report.md``: the lines, then the plots section."""
+    if plots:
+        lines = [*lines, "## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
 def ci95(values: Sequence[float]) -> tuple[float, float, float]:
     """Mean and Student-t 95% confidence interval of the mean."""
     x = np.asarray(values, dtype=float)
@@ -199,11 +208,7 @@ def write_eval_outputs(results: dict[str, Any], out: Path, notes: str = "") -> P
             lines.append("")
         lines.append("Workload specs: " + ", ".join(f"`{s}`" for s in specs))
         lines.append("")
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    report = out / "report.md"
-    report.write_text("\n".join(lines))
-    return report
+    return _write_report(out, lines, plots)
 
 
 def _plots(results: dict[str, Any], out: Path) -> list[Path]:
@@ -463,11 +468,7 @@ def write_suite_outputs(results: dict[str, Any], out: Path) -> Path:
         if w.get("missing_policies"):
             lines.append(f"- `{s}`: not run: {', '.join(w['missing_policies'])}")
     lines.append("")
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    report = out / "report.md"
-    report.write_text("\n".join(lines))
-    return report
+    return _write_report(out, lines, plots)
 
 
 def _all_policies(wls: dict[str, Any]) -> list[str]:
