@@ -18,6 +18,22 @@ numbers, with a construction that makes the target's greedy output predictable:
   mean acceptance over requests with random last tokens is that fraction.
 * ``rand`` draft: every weight random: acceptance ~ 1/vocab ~ 0.
 
+``--testbed`` builds the realistic acceptance testbed instead (``testbed.py`` defines it): the
+target's LM head is its embedding permuted, so greedy decoding continues with ``PI[t]`` after
+token ``t``, and one draft, ``tb``, proposes ``DRAFT[t]`` (right for each family's good tokens).
+The ``tb`` draft reads the token, not the target's hidden state (see :func:`build_tb_draft`):
+
+* ``fc`` is ``eps * [I 0 0]``, so the target's state only adds a small residual;
+* attention: every query head of KV group ``g`` reads block ``g`` (``head_dim`` wide) of the
+  normalized input embedding, scaled by ``alpha``; keys and values read the same block. A
+  position's score with itself is ``alpha * sqrt(head_dim)`` (~22 at alpha 2), with any other
+  position ~N(0, alpha^2), so each position attends to itself even at 32k tokens of context;
+* ``o_proj`` writes the first query head of group ``g`` into block ``g`` times ``K``, the MLP is
+  near zero, and ``norm_output`` (a config flag SGLang reads) hands the normalized output to
+  the next draft step, so the previous step's token stays ``K/2`` times weaker than this one's;
+* the LM head's row ``j`` is the first ``kv_heads * head_dim`` dims of the normalized embedding
+  of ``DRAFT^-1[j]``, so the top proposal after token ``x`` is ``DRAFT[x]``.
+
 Shapes: ``--shape 8b`` is Llama-3.1-8B's decoder (hidden 4096, 32 layers, 32/8 heads, MLP 14336)
 with a 32000-token vocabulary (7.1 B parameters), the shape of ``shared/reference/h200_llama8b``;
 ``--shape tiny`` (hidden 1024, 4 layers) is for quick checks.
@@ -35,7 +51,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-VOCAB = 32000
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import testbed  # noqa: E402  (run as a script from bench/h200)
+
+VOCAB = testbed.VOCAB
 
 
 @dataclass(frozen=True)
@@ -119,8 +138,13 @@ def _write(out: Path, cfg: dict[str, object], tensors: dict, tokenizer: Path | N
             shutil.copy(f, out / f.name)
 
 
-def build_target(shape: Shape, gen, device: str, out_std: float = 0.002) -> dict:
+def build_target(
+    shape: Shape, gen, device: str, out_std: float = 0.002, perm: list[int] | None = None
+) -> dict:
     """Random target whose greedy decoding repeats the last prompt token (see module doc).
+
+    With ``perm`` (the testbed's ``PI``) the LM head is untied and greedy decoding continues
+    with ``PI[t]`` after ``t`` instead.
 
     ``out_std`` is the std of ``o_proj``/``down_proj``: 0.002 keeps the repetition; 0.02 (a
     usual random init) makes every token depend on the whole context through attention, so a
@@ -150,6 +174,10 @@ def build_target(shape: Shape, gen, device: str, out_std: float = 0.002) -> dict
         t[p + "mlp.down_proj.weight"] = rnd(h, shape.mlp, std=out_std)
         t[p + "input_layernorm.weight"] = torch.ones(h, dtype=bf)
         t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=bf)
+    if perm is not None:
+        # Untied head, row j = embedding of PI^-1[j]: the residual stream ~ e_t picks PI[t].
+        inv = torch.tensor(testbed.inverse(perm), device=device)
+        t["lm_head.weight"] = t["model.embed_tokens.weight"][inv].clone()
     return t
 
 
@@ -186,6 +214,63 @@ def build_draft(shape: Shape, embed, lm_head, gen, device: str, random_all: bool
         "layers.0.mlp.gate_proj.weight": rnd(shape.mlp, h, std=0.02),
         "layers.0.mlp.up_proj.weight": rnd(shape.mlp, h, std=0.02),
         "layers.0.mlp.down_proj.weight": rnd(h, shape.mlp, std=small),
+    }
+
+
+def build_tb_draft(
+    shape: Shape,
+    embed,
+    draft_map: list[int],
+    gen,
+    device: str,
+    alpha: float = 2.0,
+    k_out: float = 16.0,
+    eps: float = 0.01,
+) -> dict:
+    """The testbed's draft: proposes ``draft_map[t]`` after token ``t`` (module doc, ``--testbed``)."""
+    import torch
+
+    bf = torch.bfloat16
+    h = shape.hidden
+    d = h // shape.heads
+    group = shape.heads // shape.kv_heads
+    width = shape.kv_heads * d  # the embedding dims the attention carries
+
+    def rnd(*size: int, std: float):
+        return (torch.randn(*size, generator=gen, device=device, dtype=torch.float32) * std).to(bf)
+
+    fc = torch.zeros(h, 3 * h, dtype=bf, device=device)
+    fc[:, :h] = eps * torch.eye(h, dtype=bf, device=device)
+    q = torch.zeros(shape.heads * d, 2 * h, dtype=bf, device=device)
+    kv = torch.zeros(shape.kv_heads * d, 2 * h, dtype=bf, device=device)
+    o = torch.zeros(h, shape.heads * d, dtype=bf, device=device)
+    eye = torch.eye(d, dtype=bf, device=device)
+    for g in range(shape.kv_heads):
+        block = slice(g * d, (g + 1) * d)  # embedding dims of group g (the first half of the input)
+        kv[block, block] = eye
+        for i in range(g * group, (g + 1) * group):
+            q[i * d : (i + 1) * d, block] = alpha * eye
+        o[block, g * group * d : (g * group + 1) * d] = k_out * eye
+    e = embed.float()
+    e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-5)  # what input_layernorm hands over
+    inv = torch.tensor(testbed.inverse(draft_map), device=device)
+    head = torch.zeros(embed.shape, dtype=bf, device=device)
+    head[:, :width] = e[inv, :width].to(bf)
+    return {
+        "fc.weight": fc,
+        "embed_tokens.weight": embed.clone(),  # SGLang uses the target's; stored for completeness
+        "lm_head.weight": head,
+        "norm.weight": torch.ones(h, dtype=bf),
+        "layers.0.hidden_norm.weight": torch.ones(h, dtype=bf),
+        "layers.0.input_layernorm.weight": torch.ones(h, dtype=bf),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h, dtype=bf),
+        "layers.0.self_attn.q_proj.weight": q,
+        "layers.0.self_attn.k_proj.weight": kv.clone(),
+        "layers.0.self_attn.v_proj.weight": kv,
+        "layers.0.self_attn.o_proj.weight": o,
+        "layers.0.mlp.gate_proj.weight": rnd(shape.mlp, h, std=0.02),
+        "layers.0.mlp.up_proj.weight": rnd(shape.mlp, h, std=0.02),
+        "layers.0.mlp.down_proj.weight": rnd(h, shape.mlp, std=1e-4),
     }
 
 
@@ -234,6 +319,12 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, default=Path(".h200pack/tokenizer"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--testbed",
+        action="store_true",
+        help="the realistic acceptance testbed (testbed.py): a permutation target and the 'tb' draft; "
+        "--drafts may add rand",
+    )
+    parser.add_argument(
         "--target-out-std",
         type=float,
         default=0.002,
@@ -251,13 +342,21 @@ def main() -> int:
     tok = args.tokenizer if args.tokenizer.is_dir() else None
     report: dict[str, object] = {"shape": args.shape, **shape.__dict__, "vocab": VOCAB}
 
-    target = build_target(shape, gen, device, args.target_out_std)
+    pi, dmap, good = testbed.maps(args.seed) if args.testbed else (None, None, None)
+    target = build_target(shape, gen, device, args.target_out_std, perm=pi)
     report["target_out_std"] = args.target_out_std
+    report["testbed"] = args.testbed
+    if good is not None:
+        report["good_fraction"] = {
+            f.name: sum(good[f.lo : f.hi]) / (f.hi - f.lo) for f in testbed.FAMILIES.values()
+        }
     params = sum(v.numel() for v in target.values())
     report["target_params"] = params
     embed = target["model.embed_tokens.weight"]
     report["target_self_map_fraction"] = self_map_fraction(embed, embed)
-    _write(args.out / "target", _llama_config(shape, shape.layers), target, tok)
+    _write(
+        args.out / "target", _llama_config(shape, shape.layers, tie_word_embeddings=pi is None), target, tok
+    )
     report["target_s"] = round(time.time() - tic, 1)
 
     draft_cfg = _llama_config(
@@ -271,6 +370,15 @@ def main() -> int:
         # SGLang's default aux layers (2, L/2, L-3) do not exist in a small target.
         draft_cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
     for name in args.drafts.split(","):
+        if name == "tb":
+            if dmap is None:
+                raise SystemExit("the 'tb' draft needs --testbed")
+            d = build_tb_draft(shape, embed, dmap, gen, device)
+            cfg = {**draft_cfg, "norm_output": True}
+            _write(args.out / "draft_tb", cfg, d, tok)
+            report["draft_tb_self_map_fraction"] = None  # acceptance is per family: good_fraction
+            del d
+            continue
         if name == "same":
             head, frac = embed, report["target_self_map_fraction"]
             d = build_draft(shape, embed, head, gen, device, random_all=False)

@@ -14,11 +14,14 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-VOCAB = 32000
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import testbed  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class LoadSpec:
     input_tokens: int = 256
     output_tokens: int = 128
     seed: int = 0
+    mix: str = ""  # testbed families, comma-separated, drawn per request ("": any token, as before)
 
 
 @dataclass
@@ -48,9 +52,20 @@ class RequestResult:
 
 
 def prompts(spec: LoadSpec) -> list[list[int]]:
-    """The request prompts of ``spec``: random token ids, reproducible from ``spec.seed``."""
+    """The request prompts of ``spec``: random token ids, reproducible from ``spec.seed``.
+
+    With a ``mix``, each request's family is drawn from it and its tokens from that family's
+    range (``testbed.py``); :func:`families` gives the draws.
+    """
     rng = random.Random(spec.seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(spec.input_tokens)] for _ in range(spec.n_requests)]
+    return [testbed.prompt(rng, fam, spec.input_tokens) for fam in families(spec)]
+
+
+def families(spec: LoadSpec) -> list[str]:
+    """Each request's testbed family (``""`` without a mix)."""
+    names = [f for f in spec.mix.split(",") if f]
+    rng = random.Random(spec.seed + 7_919)
+    return [rng.choice(names) if names else "" for _ in range(spec.n_requests)]
 
 
 async def _one(session: Any, url: str, idx: int, ids: list[int], out_tokens: int) -> RequestResult:

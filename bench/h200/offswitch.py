@@ -50,7 +50,16 @@ sys.path.insert(0, str(HERE))
 import run  # noqa: E402  (set-up, model building and server processes, shared with run.py)
 from loadgen import LoadSpec, run_load  # noqa: E402
 
-SUMMARY_FIELDS = ("workload", "concurrency", "policy", "rep", "tok_s", "tpot_ms_mean", "tpot_ms_p99", "failed")
+SUMMARY_FIELDS = (
+    "workload",
+    "concurrency",
+    "policy",
+    "rep",
+    "tok_s",
+    "tpot_ms_mean",
+    "tpot_ms_p99",
+    "failed",
+)
 CUDA_GRAPH_BS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 DEPTHS = (0, 3)
 
@@ -62,6 +71,7 @@ class Kind:
     policy: str
     speculative: bool
     flags: tuple[str, ...] = ()  # the launcher's --spec-off-* flags
+    sglang_rule: str = ""  # "default" / "tuned": SGLang's own adaptive rule, no hook
 
 
 KINDS = {
@@ -70,6 +80,10 @@ KINDS = {
     "off": Kind("static:0", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
+    # SGLang's rule as users run it: --speculative-adaptive alone (its default tiers, depths 1/3/7
+    # and 0 from batch 64), and with the launcher's tiers (every depth at every batch size).
+    "sglang-default": Kind("sglang-adaptive-default", True, sglang_rule="default"),
+    "sglang-tuned": Kind("sglang-adaptive-tuned", True, sglang_rule="tuned"),
 }
 
 
@@ -77,15 +91,18 @@ class Server(run.Server):
     """A server of one :class:`Kind`, sharing the GPU with the others (KV capped)."""
 
     def __init__(self, label: str, kind: Kind, port: int, args: argparse.Namespace) -> None:
-        super().__init__(run.ServerSpec(label, "draft_rand" if kind.speculative else None), port)
+        draft = getattr(args, "draft", "draft_rand")
+        super().__init__(run.ServerSpec(label, draft if kind.speculative else None), port)
         self.kind = kind
         self.args = args
+        self.depths: tuple[int, ...] = tuple(getattr(args, "depths", DEPTHS))
+        self.endpoint = f"ipc:///tmp/specdepth-off-{label}.sock"
 
     def argv(self) -> list[str]:
         a = self.args
         common = ["--model-path", str(run.MODELS / "target"), "--host", "127.0.0.1", "--port", str(self.port),
                   "--mem-fraction-static", str(a.mem_fraction), "--max-total-tokens", str(a.max_total_tokens),
-                  "--max-running-requests", str(max(a.conc)), "--context-length", "4096",
+                  "--max-running-requests", str(max(a.conc)), "--context-length", str(getattr(a, "context", 4096)),
                   "--attention-backend", a.backend, "--sampling-backend", "pytorch",
                   "--cuda-graph-bs", *map(str, CUDA_GRAPH_BS), "--decode-log-interval", "40",
                   "--log-level", "info"]  # fmt: skip
@@ -93,12 +110,22 @@ class Server(run.Server):
             common.append("--disable-prefill-cuda-graph")
         if not self.kind.speculative:
             return [sys.executable, "-m", "sglang.launch_server", *common]
-        hook = ["--spec-controller", f"ipc:///tmp/specdepth-off-{self.spec.label}.sock",
-                "--spec-depths", ",".join(map(str, DEPTHS)), "--spec-fallback", "0",
+        steps = (
+            7 if self.kind.sglang_rule == "default" else max(self.depths)
+        )  # SGLang's default tiers reach 7
+        spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(run.MODELS / self.spec.draft),
+                "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", str(steps + 1)]  # fmt: skip
+        if self.kind.sglang_rule:
+            spec.append("--speculative-adaptive")
+            if self.kind.sglang_rule == "tuned":
+                cfg = run.RES / f"adaptive_{self.spec.label}.json"
+                cfg.write_text(json.dumps({"1": {"candidate_steps": list(self.depths)}}))
+                spec += ["--speculative-adaptive-config", str(cfg)]
+            return [sys.executable, "-m", "sglang.launch_server", *common, *spec]
+        hook = ["--spec-controller", self.endpoint,
+                "--spec-depths", ",".join(map(str, self.depths)), "--spec-fallback", "0",
                 "--spec-stale-ms", "200", "--spec-instance", f"h200-{self.spec.label}", *self.kind.flags]  # fmt: skip
-        spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(run.MODELS / "draft_rand"),
-                "--speculative-num-steps", str(max(DEPTHS)), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(max(DEPTHS) + 1)]  # fmt: skip
         return [sys.executable, "-m", "sglang_hook.launch_server", *hook, *common, *spec]
 
 
@@ -131,13 +158,14 @@ class Book:
 
     def add(self, server: Server, rep: int, m: dict[str, Any], policy: str = "", workload: str = "") -> None:
         c = m["concurrency"]
-        if not workload:
-            self.outputs[(rep, c, server.spec.label)] = [r["output_ids"] for r in m["requests"]]
+        policy = policy or server.kind.policy
+        if not workload or workload.startswith("closed"):
+            self.outputs[(rep, c, policy)] = [r["output_ids"] for r in m["requests"]]
         args = self.res.data["args"]
         row = {
             "workload": f"{workload or 'closed'}-{args['input_tokens']}-{args['output_tokens']}-{args['backend']}",
             "concurrency": c,
-            "policy": policy or server.kind.policy,
+            "policy": policy,
             "rep": rep,
             "tok_s": round(m["throughput_tok_s"], 1),
             "tpot_ms_mean": round(m["tpot_mean_ms"], 3),
@@ -146,9 +174,10 @@ class Book:
         }
         self.rows.append(row)
         point = {**row, "server": server.spec.label, "wall_s": round(m["wall_s"], 2), "errors": m["errors"],
-                 "accept_len_mean": m["accept_len_mean"], "ttft_ms_mean": round(m["ttft_mean_ms"], 1)}  # fmt: skip
+                 "accept_len_mean": m["accept_len_mean"], "ttft_ms_mean": round(m["ttft_mean_ms"], 1),
+                 "hist": m["accepted_drafts_histogram"], "mix": m.get("mix", "")}  # fmt: skip
         plain = self.outputs.get((rep, c, "plain"))
-        if plain is not None and not workload:
+        if plain is not None and (not workload or workload.startswith("closed")):
             for label in [lbl for (r, cc, lbl) in self.outputs if r == rep and cc == c and lbl != "plain"]:
                 mine = self.outputs[(rep, c, label)]
                 same = sum(a == b for a, b in zip(plain, mine))
@@ -177,7 +206,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         by.setdefault((int(r["concurrency"]), r["policy"]), {})[int(r["rep"])] = float(r["tok_s"])
     policies = sorted({p for _, p in by if p != "plain"})
-    lines = ["| C | plain tok/s (reps) | " + " | ".join(f"{p} / plain: mean (min-max)" for p in policies) + " |"]
+    lines = [
+        "| C | plain tok/s (reps) | " + " | ".join(f"{p} / plain: mean (min-max)" for p in policies) + " |"
+    ]
     lines.append("|---" * (2 + len(policies)) + "|")
     for c in sorted({c for c, _ in by}):
         plain = by.get((c, "plain"), {})
@@ -219,7 +250,11 @@ def summarize_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     where: dict[str, list[float]] = {}
     for ev in events:
         name = str(ev.get("name", ""))
-        if ev.get("cat") in ("cuda_runtime", "cpu_op") and "dur" in ev and any(s in name for s in SYNC_NAMES[:5]):
+        if (
+            ev.get("cat") in ("cuda_runtime", "cpu_op")
+            and "dur" in ev
+            and any(s in name for s in SYNC_NAMES[:5])
+        ):
             ts, frames = float(ev["ts"]), []
             for start, dur, fname in python.get(ev.get("tid"), []):
                 if start <= ts <= start + dur:
@@ -244,7 +279,9 @@ def summarize_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     }
 
 
-def profile(server: Server, c: int, args: argparse.Namespace, out_dir: Path, steps: int = 6) -> dict[str, Any]:
+def profile(
+    server: Server, c: int, args: argparse.Namespace, out_dir: Path, steps: int = 6
+) -> dict[str, Any]:
     """Profile ``steps`` decode steps at concurrency ``c`` with SGLang's torch-profiler endpoint."""
     import glob
     import gzip
@@ -258,7 +295,9 @@ def profile(server: Server, c: int, args: argparse.Namespace, out_dir: Path, ste
     time.sleep(1.5)
     body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": True}
     req = urllib.request.Request(
-        server.url + "/start_profile", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        server.url + "/start_profile",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     try:
         urllib.request.urlopen(req, timeout=60).read()
@@ -309,20 +348,29 @@ def switch_cost(book: Book, server: Server, args: argparse.Namespace, deadline: 
             finally:
                 proc.terminate()
                 proc.wait(timeout=10)
-        depths = [json.loads(ln)["depth"] for ln in rec.read_text().splitlines()[-400:]] if rec.exists() else []
+        depths = (
+            [json.loads(ln)["depth"] for ln in rec.read_text().splitlines()[-400:]] if rec.exists() else []
+        )
         switches = sum(a != b for a, b in zip(depths, depths[1:]))
-        book.res.data.setdefault("switch", {})[schedule] = {"steps": len(depths), "switches_in_last": switches}
+        book.res.data.setdefault("switch", {})[schedule] = {
+            "steps": len(depths),
+            "switches_in_last": switches,
+        }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     parser.add_argument("--deadline-s", type=float, default=530.0, help="start no new point after this")
-    parser.add_argument("--servers", default="plain,off,off-skip,legacy", help=f"comma list of {sorted(KINDS)}")
+    parser.add_argument(
+        "--servers", default="plain,off,off-skip,legacy", help=f"comma list of {sorted(KINDS)}"
+    )
     parser.add_argument("--backend", default="triton", choices=("triton", "flashinfer"))
     parser.add_argument("--conc", default="1,4,16,64,128", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--requests-per-conc", type=int, default=2, help="requests per point = this x C (min 6)")
+    parser.add_argument(
+        "--requests-per-conc", type=int, default=2, help="requests per point = this x C (min 6)"
+    )
     parser.add_argument("--input-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--target-out-std", type=float, default=0.02)
@@ -376,7 +424,7 @@ def main() -> int:
         res.event("warm")
         for rep in range(1, args.reps + 1):
             for c in args.conc:
-                order = live[rep % len(live):] + live[: rep % len(live)] if live else []
+                order = live[rep % len(live) :] + live[: rep % len(live)] if live else []
                 for server in order:
                     if time.time() > deadline:
                         res.event("skipped", server=server.spec.label, rep=rep, c=c)
@@ -399,7 +447,10 @@ def main() -> int:
     finally:
         for server in servers:
             server.stop()
-            res.data.setdefault("servers", {})[server.spec.label] = {"argv": " ".join(server.argv()), **facts(server)}
+            res.data.setdefault("servers", {})[server.spec.label] = {
+                "argv": " ".join(server.argv()),
+                **facts(server),
+            }
         res.event("done")
         book.flush()
         print("\n== identity against plain (same outputs / requests)")
@@ -415,7 +466,9 @@ def main() -> int:
         print("\n== throughput (tok/s), ratios to plain per repetition\n" + table(closed))
         for r in book.rows:
             if r["workload"].startswith("switch"):
-                print(f"switch C={r['concurrency']:<3} {r['policy']:>24} {r['tok_s']:9.1f} tok/s tpot {r['tpot_ms_mean']:.2f} ms")
+                print(
+                    f"switch C={r['concurrency']:<3} {r['policy']:>24} {r['tok_s']:9.1f} tok/s tpot {r['tpot_ms_mean']:.2f} ms"
+                )
         print(f"switch schedules as sent: {res.data.get('switch')}")
     return 0
 

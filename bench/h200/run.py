@@ -177,19 +177,24 @@ def check_imports(res: Results) -> bool:
     return p.returncode == 0
 
 
-def build_models(res: Results, shape: str, drafts: str, target_out_std: float = 0.002) -> bool:
+def build_models(
+    res: Results, shape: str, drafts: str, target_out_std: float = 0.002, testbed: bool = False
+) -> bool:
     tic = time.time()
     if (MODELS / "build.json").exists():
         build = json.loads((MODELS / "build.json").read_text())
         have = {k[len("draft_") : -len("_self_map_fraction")] for k in build if k.startswith("draft_")}
-        same_target = build.get("target_out_std", 0.002) == target_out_std
+        same_target = (
+            build.get("target_out_std", 0.002) == target_out_std and build.get("testbed", False) == testbed
+        )
         if build.get("shape") == shape and set(drafts.split(",")) <= have and same_target:
             res.data["models"] = build
             res.event("models", ok=True, s=0.0, reused=True)
             return True
     p = subprocess.run(
         [sys.executable, str(HERE / "build_models.py"), "--out", str(MODELS), "--shape", shape,
-         "--drafts", drafts, "--tokenizer", str(ROOT / "tokenizer"), "--target-out-std", str(target_out_std)],
+         "--drafts", drafts, "--tokenizer", str(ROOT / "tokenizer"), "--target-out-std", str(target_out_std),
+         *(["--testbed"] if testbed else [])],
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
     )  # fmt: skip
     build = {}

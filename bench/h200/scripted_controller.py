@@ -7,6 +7,9 @@ Schedules (``--schedule``), indexed by the number of steps the instance has sent
   static:K               always K
   alternate:A,B          A, B, A, B, ... (a switch at every step: the cost of switching)
   phases:K1xN1,K2xN2,... K1 for N1 steps, then K2 for N2 steps, ...; the last phase repeats
+  file:PATH              the schedule written in PATH (any of the above), re-read when the file
+                         changes; each change restarts the step count, so a benchmark switches
+                         policies between points without restarting this process
 
 Each step is appended to ``--record`` (JSON lines: seq, depth, bs, accept, step_us), so a
 benchmark can read acceptance around a switch from the hook's own telemetry.
@@ -37,6 +40,8 @@ def parse_schedule(text: str) -> list[tuple[int, int]]:
     if kind == "alternate":
         a, b = (int(x) for x in arg.split(","))
         return [(a, 1), (b, 1)]
+    if kind == "file":
+        raise ValueError("file: schedules are read by the serving loop")
     if kind == "phases":
         out = []
         for part in arg.split(","):
@@ -63,7 +68,9 @@ def main() -> int:
     parser.add_argument("--schedule", required=True)
     parser.add_argument("--record", type=Path, default=None)
     args = parser.parse_args()
-    phases = parse_schedule(args.schedule)
+    control = Path(args.schedule[5:]) if args.schedule.startswith("file:") else None
+    tag, mtime = args.schedule, -1.0
+    phases = [(0, 0)] if control else parse_schedule(args.schedule)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(args.bind)
@@ -85,6 +92,14 @@ def main() -> int:
             sock.send_multipart([ident, encode(Welcome(policy=f"scripted:{args.schedule}", features=0))])
             print(f"hello from {msg.instance}", flush=True)
         elif isinstance(msg, Step):
+            if control is not None and control.exists() and control.stat().st_mtime != mtime:
+                mtime = control.stat().st_mtime
+                try:
+                    text = control.read_text().strip()
+                    phases, tag = parse_schedule(text), text
+                    counts = dict.fromkeys(counts, 0)
+                except ValueError as exc:
+                    print(f"bad schedule in {control}: {exc}", flush=True)
             if msg.instance not in counts:  # as controller serve does: the hook then says hello
                 sock.send_multipart([ident, encode(Error(code="unknown_instance", msg=msg.instance))])
                 continue
@@ -94,7 +109,7 @@ def main() -> int:
             sock.send_multipart([ident, encode(Decision(instance=msg.instance, seq=msg.seq, depth=depth))])
             if out is not None:
                 rec = {"i": i, "seq": msg.seq, "depth": msg.depth, "bs": msg.bs, "accept": list(msg.accept),
-                       "step_us": msg.step_us, "sent": depth}  # fmt: skip
+                       "step_us": msg.step_us, "sent": depth, "tag": tag}  # fmt: skip
                 out.write(json.dumps(rec) + "\n")
     if out is not None:
         out.close()
