@@ -7,6 +7,7 @@ Schedules (``--schedule``), indexed by the number of steps the instance has sent
   static:K               always K
   alternate:A,B          A, B, A, B, ... (a switch at every step: the cost of switching)
   phases:K1xN1,K2xN2,... K1 for N1 steps, then K2 for N2 steps, ...; the last phase repeats
+                         (a last phase written as a bare K holds K)
   file:PATH              the schedule written in PATH (any of the above), re-read when the file
                          changes; each change restarts the step count, so a benchmark switches
                          policies between points without restarting this process
@@ -46,7 +47,7 @@ def parse_schedule(text: str) -> list[tuple[int, int]]:
         out = []
         for part in arg.split(","):
             depth, _, n = part.partition("x")
-            out.append((int(depth), int(n)))
+            out.append((int(depth), int(n or 0)))  # a bare K: K from then on
         return out
     raise ValueError(f"unknown schedule {text!r}: static:K, alternate:A,B or phases:KxN,...")
 
@@ -74,7 +75,8 @@ def main() -> int:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(args.bind)
-    out = open(args.record, "a") if args.record else None  # noqa: SIM115
+    # Line-buffered: a benchmark reads the record while this process still serves.
+    out = open(args.record, "a", buffering=1) if args.record else None  # noqa: SIM115
     counts: dict[str, int] = {}
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
