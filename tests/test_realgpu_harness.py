@@ -1,0 +1,185 @@
+"""The H200 real-server harness (``bench/h200/realgpu.py``) without a GPU: the controller swap
+against real ``controller serve`` processes and the hook's own client, the open-loop trace, and
+which servers and policies a call runs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.protocol import Hello, Step
+from controller.registry import BUILTINS
+from controller.traces import iter_records
+from sglang_hook.client import ControllerClient
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "h200"))
+
+import openloop  # noqa: E402
+import policyswap  # noqa: E402
+import realgpu  # noqa: E402
+
+DEPTHS = realgpu.DEPTHS
+
+
+# --------------------------------------------------------------------------- the swap
+
+
+class Hook:
+    """The hook's side as the scheduler drives it: a ControllerClient fed one step per decode."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.client = ControllerClient(endpoint, Hello("h200-off", DEPTHS), stale_ms=200)
+        self.seq = itertools.count(1)
+        self.depth = 0  # the depth the last step ran with: the decision, else the fallback (0)
+
+    def step(self) -> None:
+        accept = [1, 0] if self.depth else []
+        self.client.send_step(
+            Step(
+                "h200-off", next(self.seq), self.depth, 2, 0, accept, 8000, 600, 0.01, 0, time.monotonic_ns()
+            )
+        )
+        time.sleep(0.005)
+        got = self.client.poll_decision()
+        self.depth = 0 if got is None else got
+
+    def poke(self) -> None:  # a short request: a few decode steps
+        for _ in range(10):
+            self.step()
+
+    def until(self, depth: int, timeout_s: float = 10.0) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            self.step()
+            if self.depth == depth:
+                return True
+        return False
+
+
+@pytest.mark.slow
+def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_traces(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/hook.sock"
+    hook = Hook(endpoint)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    records = tmp_path / "traces"
+    swap = policyswap.ControllerSwap(endpoint, tmp_path / "logs", records, env, hook.poke)
+    try:
+        first = swap.use("static:1")
+        assert first.live, first.why
+        assert hook.until(1) and hook.client.policy == "static:1"
+        assert swap.use("static:1").why == "already running"  # no restart for the same policy
+
+        second = swap.use("static:3")
+        assert second.live, second.why
+        assert second.stopped["policy"] == "static:1" and int(second.stopped["steps"]) > 0  # type: ignore[call-overload]
+        assert hook.until(3) and hook.client.policy == "static:3"
+
+        broken = swap.use("no-such-policy")  # controller serve refuses it: the hook falls back to 0
+        assert not broken.live and "unknown builtin" in broken.why
+        assert hook.until(0)
+
+        # The fallback is not permanent: the next controller gets the hook back.
+        again = swap.use("bandit")
+        assert again.live, again.why
+        assert hook.client.policy == "bandit"
+        hook.poke()
+        assert swap.stop()["steps"] > 0  # type: ignore[operator]
+    finally:
+        swap.stop()
+        hook.client.close()
+    assert [s.policy for s in swap.history] == ["static:1", "static:3", "no-such-policy", "bandit"]
+
+    pack = realgpu.TracePack(records, tmp_path)
+    assert pack.add_new() == 3 and pack.add_new() == 0  # one file per controller that served
+    with tarfile.open(tmp_path / "traces.tar") as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    assert sorted(n.split("/")[1].split("-h200-off")[0] for n in names) == ["bandit", "static-1", "static-3"]
+    steps = [r for f in (tmp_path / "unpacked/traces").iterdir() for r in iter_records(f) if r["t"] == "step"]
+    assert len(steps) > 20
+    # The folder is what `controller train --traces` reads: it lists the files flat.
+    out = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "traces", "summarize", str(tmp_path / "unpacked/traces")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+def test_policy_names_map_to_what_runs() -> None:
+    r = policyswap.resolve
+    assert r("static:3").spec == "builtin:static:3"
+    assert r("ppo").spec == str(ROOT / "agents/bundled/h200-llama8b/ppo.zip")
+    assert r("ppo-retrained").spec.endswith("bench/results/realgpu/ppo-retrained/ppo.zip")
+    assert r("mine=/x/y.zip") == policyswap.PolicySpec("mine", "/x/y.zip")
+    assert r("/x/other.zip") == policyswap.PolicySpec("other", "/x/other.zip")
+    assert r("scripted:static:3").scripted and r("static:3").slug == "static-3"
+    assert (ROOT / policyswap.NAMED_ZIPS["ppo"]).exists()
+    # Every default hook policy is a builtin `controller serve` serves, or a named zip.
+    for stage in ("closed", "long", "open"):
+        for name in realgpu.default_policies(stage):
+            if name in realgpu.SERVER_POLICIES or name in policyswap.NAMED_ZIPS:
+                continue
+            assert any(name == b or (b.endswith(":") and name.startswith(b)) for b in BUILTINS), name
+
+
+def test_parse_starts_only_the_servers_the_stages_need() -> None:
+    args = realgpu.parse(["--stages", "closed,long,open"])
+    assert args.server_labels == ["plain", "off", "sglang-default", "sglang-tuned"]
+    assert set(realgpu.STATICS) | set(realgpu.BUILTINS) | {"ppo", "plain"} <= set(args.policies)
+    args = realgpu.parse(["--stages", "open", "--open-policies", "ppo,static:3"])
+    assert args.server_labels == ["off"]
+    args = realgpu.parse(["--stages", "closed", "--policies", "plain,sglang-adaptive-tuned"])
+    assert args.server_labels == ["plain", "sglang-tuned"]
+    # The bundled PPO zip was trained for these depths; the hook server must offer exactly them.
+    meta = json.loads(
+        __import__("zipfile").ZipFile(ROOT / policyswap.NAMED_ZIPS["ppo"]).read("specdepth.json")
+    )
+    assert tuple(meta["depths"]) == realgpu.DEPTHS
+    assert [realgpu.rotate([1, 2, 3], rep) for rep in (1, 2, 3, 4)] == [
+        [1, 2, 3],
+        [2, 3, 1],
+        [3, 1, 2],
+        [1, 2, 3],
+    ]
+    assert [realgpu.rotate(list(range(15)), rep)[0] for rep in (1, 2, 3)] == [0, 5, 10]
+
+
+def test_help_runs_without_sglang() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench/h200/realgpu.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and "--open-policies" in out.stdout
+
+
+# --------------------------------------------------------------------------- the open-loop trace
+
+
+def test_open_trace_is_deterministic_and_shifts_load_and_mix() -> None:
+    spec = openloop.OpenSpec(duration_s=180, peak_rps=80, seed=0)
+    a, b = openloop.arrivals(spec), openloop.arrivals(spec)
+    assert a == b and [openloop.prompt(spec, x) for x in a[:50]] == [openloop.prompt(spec, x) for x in b[:50]]
+    assert openloop.arrivals(openloop.OpenSpec(duration_s=180, peak_rps=80, seed=1)) != a
+    times = [x.t_s for x in a]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 180
+    # The expected count is the rate's integral: about 0.40 x peak x duration.
+    assert abs(len(a) - 0.3995 * 80 * 180) < 4 * (0.3995 * 80 * 180) ** 0.5
+    bins = openloop.describe(spec, bins=10)
+    rps = [b["rps"] for b in bins]
+    assert rps[0] < 0.05 * 80 and rps[-1] < 0.05 * 80  # a trickle at both ends
+    assert max(rps) > 0.8 * 80 and rps.index(max(rps)) in (4, 5)  # overload in the middle
+    assert bins[0]["chat"] == 1.0 and bins[-1]["docs"] == 1.0  # chat -> docs
+    mid = [x for x in a if 0.4 * 180 <= x.t_s < 0.6 * 180]
+    assert sum(x.family == "code" for x in mid) / len(mid) > 0.75  # code leads the overload
+    for x in a[:200]:
+        fam = openloop.testbed.FAMILIES[x.family]
+        assert all(fam.lo <= t < fam.hi for t in openloop.prompt(spec, x))
+        assert spec.min_output_tokens <= x.output_tokens <= spec.max_output_tokens
+    assert abs(sum(openloop.mix(0.3).values()) - 1) < 1e-12
