@@ -1,9 +1,10 @@
 """The H200 real-server harness (``bench/h200/realgpu.py``) without a GPU: the controller swap
-against real ``controller serve`` processes and the hook's own client, the open-loop trace, and
-which servers and policies a call runs."""
+against real ``controller serve`` processes and the hook's own client, the open-loop trace,
+which servers and policies a call runs, and the report's ratios and criteria."""
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 import os
@@ -26,6 +27,7 @@ sys.path.insert(0, str(ROOT / "bench" / "h200"))
 import openloop  # noqa: E402
 import policyswap  # noqa: E402
 import realgpu  # noqa: E402
+import realgpu_report  # noqa: E402
 
 DEPTHS = realgpu.DEPTHS
 
@@ -183,3 +185,67 @@ def test_open_trace_is_deterministic_and_shifts_load_and_mix() -> None:
         assert all(fam.lo <= t < fam.hi for t in openloop.prompt(spec, x))
         assert spec.min_output_tokens <= x.output_tokens <= spec.max_output_tokens
     assert abs(sum(openloop.mix(0.3).values()) - 1) < 1e-12
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def write_csv(path: Path, rows: list[tuple[str, int, str, int, float, float]]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "summary.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(realgpu_report.FIELDS)
+        for wl, c, p, rep, tok, tpot in rows:
+            w.writerow([wl, c, p, rep, tok, tpot, tpot * 1.5, 0])
+
+
+def test_report_ratios_and_criteria_from_two_calls(tmp_path: Path) -> None:
+    closed = "closed-mix-256-128"
+    call1 = [  # rep 1: ppo 1.10x plain, 1.00x best static (static:3), ahead of both rules
+        (closed, 16, "plain", 1, 1000, 10), (closed, 16, "static:1", 1, 1050, 9), (closed, 16, "static:3", 1, 1100, 9),
+        (closed, 16, "sglang-adaptive-default", 1, 900, 11), (closed, 16, "sglang-adaptive-tuned", 1, 1000, 10),
+        (closed, 16, "ppo", 1, 1100, 9), ("accept-chat", 16, "static:5", 0, 5, 5),
+    ]  # fmt: skip
+    call2 = [  # rep 2 (another call): ppo 0.96x plain -> the mean over reps is 1.03x plain
+        (closed, 16, "plain", 2, 1000, 10), (closed, 16, "static:1", 2, 1000, 9), (closed, 16, "static:3", 2, 1000, 9),
+        (closed, 16, "sglang-adaptive-default", 2, 1000, 11), (closed, 16, "sglang-adaptive-tuned", 2, 1000, 10),
+        (closed, 16, "ppo", 2, 960, 9),
+        ("open-shift-180s", 0, "plain", 2, 500, 12.0), ("open-shift-180s", 0, "static:3", 2, 510, 11.0),
+        ("open-shift-180s", 0, "ppo", 2, 500, 10.5),
+    ]  # fmt: skip
+    write_csv(tmp_path / "c1", call1)
+    write_csv(tmp_path / "c2", call2)
+    rows = realgpu_report.read_rows([tmp_path / "c1", tmp_path / "c2"])
+    assert not any(r["workload"].startswith("accept") for r in rows)
+    table, best = realgpu_report.cells(rows)
+    ppo = table[(closed, 16, "ppo")]
+    assert ppo.to_plain == pytest.approx({1: 1.10, 2: 0.96})
+    assert best[(closed, 16)] == "static:3"  # mean 1050 against static:1's 1025
+    assert ppo.to_static == pytest.approx({1: 1.0, 2: 0.96})
+    crit = realgpu_report.criteria(rows)
+    assert crit["ppo"]["plain"]["holds"] is True  # mean 1.03
+    assert crit["ppo"]["static"]["holds"] is False  # mean 0.98 < 0.99
+    assert "0.980 of static:3" in crit["ppo"]["static"]["why"][0]
+    assert (
+        crit["ppo"]["sglang"]["holds"] is True
+    )  # (1100/900 + 960/1000) / 2 = 1.09, (1.10 + 0.96) / 2 = 1.03
+    # Open: TPOT below both, but tok/s 500/510 = 0.980 of static:3 (< 0.99).
+    assert crit["ppo"]["open"]["holds"] is False
+    assert len(crit["ppo"]["open"]["why"]) == 1 and "vs static:3" in crit["ppo"]["open"]["why"][0]
+    assert crit["all"]["failed"]["holds"] is True
+    md = realgpu_report.markdown(rows, crit)
+    assert (
+        "| 16 | ppo | 2 | 1030 (960-1100) | 9.00 (9.00-9.00) | 1.030 (0.960-1.100) | 0.980 (0.960-1.000) | 0 |"
+        in md
+    )
+
+
+def test_report_identity_and_duplicate_reps(tmp_path: Path) -> None:
+    hashes = {("closed", 16, 1, "plain"): ["a", "b"], ("closed", 16, 1, "ppo"): ["a", "x"],
+              ("closed", 16, 1, "static:3"): ["a", "b"], ("closed", 16, 2, "ppo"): ["a", "b"]}  # fmt: skip
+    ident = realgpu_report.identity(hashes)
+    assert ident["holds"] is False and ident["compared"] == 4 and ident["differing"] == 1
+    assert ident["why"] == ["closed C=16 rep 1 ppo: 1/2"]  # rep 2 has no plain: not compared
+    write_csv(tmp_path / "a", [("closed", 1, "plain", 1, 10, 1)])
+    write_csv(tmp_path / "b", [("closed", 1, "plain", 1, 11, 1)])
+    assert realgpu_report.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
