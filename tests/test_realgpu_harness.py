@@ -73,7 +73,10 @@ def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_trace
     hook = Hook(endpoint)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     records = tmp_path / "traces"
-    swap = policyswap.ControllerSwap(endpoint, tmp_path / "logs", records, env, hook.poke)
+    pack = realgpu.TracePack(records, tmp_path)
+    swap = policyswap.ControllerSwap(
+        endpoint, tmp_path / "logs", records, env, hook.poke, on_stop=pack.add_new
+    )
     try:
         first = swap.use("static:1")
         assert first.live, first.why
@@ -83,11 +86,13 @@ def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_trace
         second = swap.use("static:3")
         assert second.live, second.why
         assert second.stopped["policy"] == "static:1" and int(second.stopped["steps"]) > 0  # type: ignore[call-overload]
+        assert pack.n == 1  # static:1's trace, packed once it was closed, before static:3 started
         assert hook.until(3) and hook.client.policy == "static:3"
 
         broken = swap.use("no-such-policy")  # controller serve refuses it: the hook falls back to 0
         assert not broken.live and "unknown builtin" in broken.why
         assert hook.until(0)
+        assert swap.use("no-such-policy").why != "already running"  # asked again: tried again
 
         # The fallback is not permanent: the next controller gets the hook back.
         again = swap.use("bandit")
@@ -98,10 +103,14 @@ def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_trace
     finally:
         swap.stop()
         hook.client.close()
-    assert [s.policy for s in swap.history] == ["static:1", "static:3", "no-such-policy", "bandit"]
-
-    pack = realgpu.TracePack(records, tmp_path)
-    assert pack.add_new() == 3 and pack.add_new() == 0  # one file per controller that served
+    assert [s.policy for s in swap.history] == [
+        "static:1",
+        "static:3",
+        "no-such-policy",
+        "no-such-policy",
+        "bandit",
+    ]
+    assert pack.n == 3 and pack.add_new() == 0  # one file per controller that served, each packed once
     with tarfile.open(tmp_path / "traces.tar") as tar:
         names = tar.getnames()
         tar.extractall(tmp_path / "unpacked", filter="data")

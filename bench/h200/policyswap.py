@@ -99,13 +99,15 @@ class ControllerSwap:
 
     Args:
         endpoint: the hook's ``--spec-controller`` endpoint.
-        logs: folder for each controller process's log (one file per start).
-        records: folder for traces: ``records/<policy>/`` per policy name (``--record``), and
-            ``records/scripted_<label>.jsonl`` for the scripted controller.
+        logs: folder for each controller process's log (one file per start) and the scripted
+            controller's record, ``logs/scripted_<label>.jsonl``.
+        records: folder for traces: ``records/<policy>/`` per policy name (``--record``).
         env: the controller's environment (its ``PYTHONPATH`` must reach the repository).
         poke: makes the hook send steps (a short request to its server).
         python: the interpreter that runs the controller.
         label: names the log files (the hook server's label).
+        on_stop: called each time a controller has exited, before the next one starts (its
+            trace files are closed then: e.g. pack them).
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class ControllerSwap:
         poke: Callable[[], object],
         python: str = sys.executable,
         label: str = "hook",
+        on_stop: Callable[[], object] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.logs = logs
@@ -125,7 +128,9 @@ class ControllerSwap:
         self.poke = poke
         self.python = python
         self.label = label
+        self.on_stop = on_stop
         self.current: PolicySpec | None = None
+        self.live = False  # the hook's hello reached the running controller
         self.history: list[Swap] = []
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Path | None = None
@@ -134,7 +139,7 @@ class ControllerSwap:
 
     def argv(self, policy: PolicySpec) -> list[str]:
         if policy.scripted:
-            record = self.records / f"scripted_{self.label}.jsonl"
+            record = self.logs / f"scripted_{self.label}.jsonl"
             return [self.python, str(HERE / "scripted_controller.py"), "--bind", self.endpoint,
                     "--schedule", policy.spec[len("scripted:"):], "--record", str(record)]  # fmt: skip
         return [self.python, "-m", "controller.cli", "serve", "--policy", policy.spec, "--bind", self.endpoint,
@@ -151,7 +156,7 @@ class ControllerSwap:
         """
         if isinstance(policy, str):
             policy = resolve(policy)
-        if self.current == policy and self._proc is not None and self._proc.poll() is None:
+        if self.current == policy and self.live and self._proc is not None and self._proc.poll() is None:
             return Swap(policy.name, live=True, why="already running")
         swap = Swap(policy.name)
         swap.stopped = self.stop()
@@ -189,7 +194,7 @@ class ControllerSwap:
         swap.hello_s = round(time.monotonic() - hello_tic, 2)
         self.poke()  # decisions now flow: the first one answered a step, not a hello
         swap.pokes += 1
-        swap.live = True
+        swap.live = self.live = True
         swap.why = "live"
         return self._done(swap)
 
@@ -210,6 +215,7 @@ class ControllerSwap:
     def stop(self) -> dict[str, object]:
         """SIGTERM the running controller (SIGKILL after 15 s); what its log says it served."""
         proc, self._proc = self._proc, None
+        self.live = False
         if proc is None:
             return {}
         if proc.poll() is None:
@@ -229,4 +235,6 @@ class ControllerSwap:
         if m:
             out.update(steps=int(m.group(1)), frames=int(m.group(2)), errors=m.group(3).strip())
         self.current = None
+        if self.on_stop is not None:
+            self.on_stop()
         return out

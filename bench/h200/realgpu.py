@@ -164,7 +164,7 @@ class Bench:
             self.swap = policyswap.ControllerSwap(
                 hook.endpoint, run.RES, self.records, run._env(),
                 poke=lambda: run_load(hook.url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
-                label=HOOK,
+                label=HOOK, on_stop=self.pack.add_new,
             )  # fmt: skip
 
     def server_for(self, policy: str) -> offswitch.Server | None:
@@ -179,11 +179,9 @@ class Bench:
         if server.spec.label != HOOK:
             return server
         assert self.swap is not None
-        spec = policyswap.resolve(policy)
-        if self.swap.current == spec:
+        swap = self.swap.use(policyswap.resolve(policy))
+        if swap.why == "already running":
             return server
-        swap = self.swap.use(spec)
-        self.pack.add_new()
         self.book.res.data.setdefault("swaps", []).append(
             {"t_s": round(time.time() - run.T0, 1), **vars(swap)}
         )
@@ -205,10 +203,9 @@ class Bench:
 
     def stop(self) -> None:
         if self.swap is not None:
-            stopped = self.swap.stop()
+            stopped = self.swap.stop()  # packs its traces (on_stop)
             if stopped:
                 self.book.res.data.setdefault("swaps", []).append({"stopped": stopped})
-        self.pack.add_new()
 
 
 def warm(bench: Bench, args: argparse.Namespace, stages: list[str]) -> None:
@@ -320,14 +317,14 @@ def stage_resume(bench: Bench, args: argparse.Namespace) -> None:
             continue
         m = run_load(server.url, spec, timeout_s=max(30.0, bench.deadline - time.time() + 60))
         bench.book.add(server, 0, m, policy=f"resume-{schedule}", workload="resume")
-    bench.book.res.data["resume"] = analyze_resume(bench.records)
+    bench.book.res.data["resume"] = analyze_resume(run.RES)
     bench.book.flush()
 
 
-def analyze_resume(records: Path) -> dict[str, Any]:
+def analyze_resume(res: Path) -> dict[str, Any]:
     """Mean accepted drafts per request-step in windows after the resume, and over the held run."""
     out: dict[str, Any] = {}
-    for f in sorted(records.glob("scripted_*.jsonl")):
+    for f in sorted(res.glob("scripted_*.jsonl")):
         recs = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
         label = f.stem[len("scripted_") :]
         held = [r for r in recs if r.get("tag") == "static:3" and r["depth"] == 3 and r["accept"]]
