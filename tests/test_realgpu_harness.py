@@ -196,6 +196,70 @@ def test_open_trace_is_deterministic_and_shifts_load_and_mix() -> None:
     assert abs(sum(openloop.mix(0.3).values()) - 1) < 1e-12
 
 
+class StandIn:
+    """A stand-in for SGLang's streaming ``/generate`` (aiohttp, its own thread): the open-loop
+    client's timing and accounting, not the engine, are under test here."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        from aiohttp import web
+
+        self.seen: list[tuple[float, int]] = []  # (received at, max_new_tokens)
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            n = body["sampling_params"]["max_new_tokens"]
+            self.seen.append((time.perf_counter(), n))
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            for i in range(1, n + 1):
+                await asyncio.sleep(0.002)
+                chunk = {"output_ids": [body["input_ids"][-1]] * i, "meta_info": {"completion_tokens": i}}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_open_loop_sends_each_request_when_due_and_counts_every_token() -> None:
+    pytest.importorskip("aiohttp")
+    spec = openloop.OpenSpec(duration_s=4.0, peak_rps=25, input_tokens=16, min_output_tokens=4,
+                             max_output_tokens=12, seed=3)  # fmt: skip
+    arr = openloop.arrivals(spec)
+    server = StandIn()
+    try:
+        m = openloop.run_open(server.url, spec, timeout_s=60)
+    finally:
+        server.close()
+    assert m["concurrency"] == 0 and m["failed"] == 0 and m["n_requests"] == len(arr) > 20
+    assert sum(r["out_tokens"] for r in m["requests"]) == sum(a.output_tokens for a in arr)
+    assert [r["out_tokens"] for r in m["requests"]] == [a.output_tokens for a in arr]  # by arrival index
+    # Sent when due, not when the previous one finished: received offsets follow the trace's.
+    got = sorted(t for t, _ in server.seen)
+    lag = [(g - got[0]) - (a.t_s - arr[0].t_s) for g, a in zip(got, arr)]
+    assert sorted(abs(x) for x in lag)[len(lag) // 2] < 0.05 and max(abs(x) for x in lag) < 0.5, lag
+    assert m["tpot_mean_ms"] > 0 and m["throughput_tok_s"] > 0
+
+
 # --------------------------------------------------------------------------- the report
 
 
