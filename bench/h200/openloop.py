@@ -123,9 +123,20 @@ def describe(spec: OpenSpec, bins: int = 10) -> list[dict[str, Any]]:
     return rows
 
 
+def _raise_fd_limit() -> None:
+    """One connection per request in flight: an overload's backlog can pass the usual soft
+    limit of 1024 open files, so take the hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+
+
 async def _run(url: str, spec: OpenSpec, timeout_s: float) -> tuple[list[RequestResult], float]:
     import aiohttp
 
+    _raise_fd_limit()
     arr = arrivals(spec)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     conn = aiohttp.TCPConnector(limit=0)  # open loop: every arrival is sent when it is due
