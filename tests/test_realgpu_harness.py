@@ -99,22 +99,30 @@ def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_trace
         assert again.live, again.why
         assert hook.client.policy == "bandit"
         hook.poke()
+
+        # goodput on a fitted latency model, through the service's own loop (serve_goodput_fit.py).
+        fit = swap.use(f"goodput-fit=goodput-fit:{ROOT / 'agents/bundled/h200-llama8b/sim.json'}")
+        assert fit.live, fit.why
+        assert fit.stopped["policy"] == "bandit" and int(fit.stopped["steps"]) > 0  # type: ignore[call-overload]
+        assert hook.client.policy == "goodput-fit"
+        hook.poke()
+        assert hook.client.counters["decisions"] > 0 and hook.client.fresh_depth() in DEPTHS
         assert swap.stop()["steps"] > 0  # type: ignore[operator]
     finally:
         swap.stop()
         hook.client.close()
-    assert [s.policy for s in swap.history] == [
-        "static:1",
-        "static:3",
-        "no-such-policy",
-        "no-such-policy",
-        "bandit",
-    ]
-    assert pack.n == 3 and pack.add_new() == 0  # one file per controller that served, each packed once
+    tried = ["static:1", "static:3", "no-such-policy", "no-such-policy", "bandit", "goodput-fit"]
+    assert [s.policy for s in swap.history] == tried
+    assert pack.n == 4 and pack.add_new() == 0  # one file per controller that served, each packed once
     with tarfile.open(tmp_path / "traces.tar") as tar:
         names = tar.getnames()
         tar.extractall(tmp_path / "unpacked", filter="data")
-    assert sorted(n.split("/")[1].split("-h200-off")[0] for n in names) == ["bandit", "static-1", "static-3"]
+    assert sorted(n.split("/")[1].split("-h200-off")[0] for n in names) == [
+        "bandit",
+        "goodput-fit",
+        "static-1",
+        "static-3",
+    ]
     steps = [r for f in (tmp_path / "unpacked/traces").iterdir() for r in iter_records(f) if r["t"] == "step"]
     assert len(steps) > 20
     # The folder is what `controller train --traces` reads: it lists the files flat.
@@ -133,11 +141,18 @@ def test_policy_names_map_to_what_runs() -> None:
     assert r("mine=/x/y.zip") == policyswap.PolicySpec("mine", "/x/y.zip")
     assert r("/x/other.zip") == policyswap.PolicySpec("other", "/x/other.zip")
     assert r("scripted:static:3").scripted and r("static:3").slug == "static-3"
+    assert r("goodput-fit").spec == "goodput-fit:" + str(
+        ROOT / "bench/results/realgpu/ppo-retrained/sim.json"
+    )
     assert (ROOT / policyswap.NAMED_ZIPS["ppo"]).exists()
     # Every default hook policy is a builtin `controller serve` serves, or a named zip.
     for stage in ("closed", "long", "open"):
         for name in realgpu.default_policies(stage):
-            if name in realgpu.SERVER_POLICIES or name in policyswap.NAMED_ZIPS:
+            if (
+                name in realgpu.SERVER_POLICIES
+                or name in policyswap.NAMED_ZIPS
+                or name in policyswap.NAMED_SIMS
+            ):
                 continue
             assert any(name == b or (b.endswith(":") and name.startswith(b)) for b in BUILTINS), name
 

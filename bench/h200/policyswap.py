@@ -17,6 +17,8 @@ Policy names, as ``summary.csv`` writes them, map to what runs (:func:`resolve`)
 
   ``static:K``, any builtin name       ``controller serve --policy builtin:NAME``
   ``ppo``, ``ppo-retrained``           ``controller serve --policy`` the zip in :data:`NAMED_ZIPS`
+  ``goodput-fit``                      ``serve_goodput_fit.py --sim`` the fit in :data:`NAMED_SIMS`
+                                       (``NAME=goodput-fit:SIM_JSON`` for another fit)
   ``NAME=SPEC``                        ``controller serve --policy SPEC`` under the name NAME
   ``PATH.zip``                         ``controller serve --policy PATH.zip`` named by its stem
   ``scripted:SCHEDULE``                ``scripted_controller.py --schedule SCHEDULE`` (an
@@ -47,6 +49,12 @@ NAMED_ZIPS = {
     "ppo-retrained": "bench/results/realgpu/ppo-retrained/ppo.zip",  # `controller train --traces` (REALGPU.md)
 }
 
+# Policy names that stand for goodput with a fitted latency model (a sim.json in the repository).
+NAMED_SIMS = {
+    "goodput-fit": "bench/results/realgpu/ppo-retrained/sim.json",  # fitted to the testbed's traces
+}
+GOODPUT_FIT = "goodput-fit:"  # spec prefix: serve_goodput_fit.py --sim PATH
+
 
 @dataclass(frozen=True)
 class PolicySpec:
@@ -73,6 +81,8 @@ def resolve(name: str, repo: Path = REPO) -> PolicySpec:
         return PolicySpec(short, spec)
     if name in NAMED_ZIPS:
         return PolicySpec(name, str(repo / NAMED_ZIPS[name]))
+    if name in NAMED_SIMS:
+        return PolicySpec(name, GOODPUT_FIT + str(repo / NAMED_SIMS[name]))
     if name.endswith(".zip"):
         return PolicySpec(Path(name).stem, name)
     if name.startswith("scripted:"):
@@ -142,6 +152,9 @@ class ControllerSwap:
             record = self.logs / f"scripted_{self.label}.jsonl"
             return [self.python, str(HERE / "scripted_controller.py"), "--bind", self.endpoint,
                     "--schedule", policy.spec[len("scripted:"):], "--record", str(record)]  # fmt: skip
+        if policy.spec.startswith(GOODPUT_FIT):
+            return [self.python, str(HERE / "serve_goodput_fit.py"), "--sim", policy.spec[len(GOODPUT_FIT):],
+                    "--bind", self.endpoint, "--record", str(self.records / policy.slug)]  # fmt: skip
         return [self.python, "-m", "controller.cli", "serve", "--policy", policy.spec, "--bind", self.endpoint,
                 "--record", str(self.records / policy.slug)]  # fmt: skip
 

@@ -89,10 +89,12 @@ SGLANG_RULES = ("sglang-adaptive-default", "sglang-adaptive-tuned")
 
 def default_policies(stage: str, repo: Path = policyswap.REPO) -> list[str]:
     """The policies a stage runs by default: the issue's baselines, then the controller's PPO
-    policies (``ppo-retrained`` once its zip is committed)."""
+    policies (``ppo-retrained`` once its zip is committed; with it comes the simulator fitted to
+    the testbed's traces, and ``goodput-fit``, goodput on that fit, joins the closed stage)."""
     ppo = ["ppo"] + (["ppo-retrained"] if (repo / policyswap.NAMED_ZIPS["ppo-retrained"]).exists() else [])
     if stage == "closed":
-        return ["plain", *SGLANG_RULES, *STATICS, *BUILTINS, *ppo]
+        fit = ["goodput-fit"] if (repo / policyswap.NAMED_SIMS["goodput-fit"]).exists() else []
+        return ["plain", *SGLANG_RULES, *STATICS, *BUILTINS, *fit, *ppo]
     if stage == "long":
         return ["plain", *SGLANG_RULES, *STATICS, *ppo]
     return ["plain", *SGLANG_RULES, "static:1", "static:3", *ppo]  # open: 3-5 min each (REALGPU.md)
