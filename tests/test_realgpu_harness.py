@@ -293,6 +293,7 @@ def test_report_ratios_and_criteria_from_two_calls(tmp_path: Path) -> None:
         (closed, 16, "plain", 1, 1000, 10), (closed, 16, "static:1", 1, 1050, 9), (closed, 16, "static:3", 1, 1100, 9),
         (closed, 16, "sglang-adaptive-default", 1, 900, 11), (closed, 16, "sglang-adaptive-tuned", 1, 1000, 10),
         (closed, 16, "ppo", 1, 1100, 9), ("accept-chat", 16, "static:5", 0, 5, 5),
+        (closed, 16, "static:0-skip", 1, 5000, 1),  # another server's depth 0: not a static depth
     ]  # fmt: skip
     call2 = [  # rep 2 (another call): ppo 0.96x plain -> the mean over reps is 1.03x plain
         (closed, 16, "plain", 2, 1000, 10), (closed, 16, "static:1", 2, 1000, 9), (closed, 16, "static:3", 2, 1000, 9),
@@ -308,7 +309,7 @@ def test_report_ratios_and_criteria_from_two_calls(tmp_path: Path) -> None:
     table, best = realgpu_report.cells(rows)
     ppo = table[(closed, 16, "ppo")]
     assert ppo.to_plain == pytest.approx({1: 1.10, 2: 0.96})
-    assert best[(closed, 16)] == "static:3"  # mean 1050 against static:1's 1025
+    assert best[(closed, 16)] == "static:3"  # mean 1050 against static:1's 1025 (static:0-skip is no static)
     assert ppo.to_static == pytest.approx({1: 1.0, 2: 0.96})
     crit = realgpu_report.criteria(rows)
     assert crit["ppo"]["plain"]["holds"] is True  # mean 1.03

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -43,6 +44,7 @@ STATIC_BAR = 0.99
 SGLANG_BAR = 1.0
 OPEN_TOK_BAR = 0.99
 MEASURED = ("closed", "long", "open")  # workload prefixes of the proof (accept/resume are diagnostics)
+STATIC = re.compile(r"static:(\d+)")  # a static depth (not static:0-skip and the like)
 
 
 def read_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -103,7 +105,7 @@ def cells(rows: list[dict[str, Any]]) -> tuple[dict[tuple[str, int, str], Cell],
         cell.failed += r["failed"]
     best: dict[tuple[str, int], str] = {}
     for (w, c, p), cell in out.items():
-        if p.startswith("static:"):
+        if STATIC.fullmatch(p):
             cur = best.get((w, c))
             if cur is None or statistics.fmean(cell.tok_s.values()) > statistics.fmean(
                 out[(w, c, cur)].tok_s.values()
@@ -247,8 +249,9 @@ def _order(policy: str) -> tuple[int, str]:
     head = ["plain", *SGLANG_RULES]
     if policy in head:
         return (head.index(policy), policy)
-    if policy.startswith("static:"):
-        return (10, f"{int(policy[7:]):03d}")
+    m = STATIC.fullmatch(policy)
+    if m:
+        return (10, f"{int(m.group(1)):03d}")
     if policy in CONTROLLERS:
         return (30 + CONTROLLERS.index(policy), policy)
     return (20, policy)
