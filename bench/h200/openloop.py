@@ -5,8 +5,10 @@ Every policy gets the same trace (deterministic from ``seed``, ``duration_s`` an
 compare request by request. Over normalized time ``u = t / duration_s``:
 
 * **rate** (requests/s) follows :data:`RATE_KNOTS` (fractions of ``peak_rps``, linear between
-  knots): a trickle, a ramp to overload (above what the server sustains at the default
-  ``peak_rps``; a backlog builds and drains), and back down to a trickle;
+  knots): a trickle, a ramp to overload, and back down to a trickle. At the default 80/s with
+  160 output tokens a request on average, the peak asks for 12.8k tokens/s: above the 8.7-9.1k
+  a plain server gave at C=128 in the off-switch calls (bench/results/realgpu/offswitch), so a
+  backlog builds in SGLang's queue and drains as the rate falls;
 * **mix** shifts chat -> code -> docs: ``w_chat = clip(1.5 - 3u)``, ``w_docs = clip(3u - 1.5)``,
   ``w_code = 1 - w_chat - w_docs``: chat alone until ``u = 1/6``, code alone at ``u = 1/2``
   (the overload), docs alone from ``u = 5/6``, linear blends in between.
