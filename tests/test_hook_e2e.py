@@ -313,6 +313,33 @@ def test_controller_killed_and_restarted(stack: Stack) -> None:
     print(json.dumps({"records_resumed_after_restart_s": round(resumed_s, 3)}))
 
 
+def test_realgpu_swap_moves_the_live_hook_between_controllers(stack: Stack) -> None:
+    """``bench/h200/realgpu.py``'s controller swap on the real hook: stop one ``controller serve``,
+    start the next on the same endpoint, and the hook's hello reaches each (no permanent fallback)."""
+    sys.path.insert(0, str(REPO / "bench" / "h200"))
+    import policyswap
+
+    stack.controller.stop()
+    traces = stack.root / "swap-traces"
+    swap = policyswap.ControllerSwap(
+        stack.sock, stack.root / "swap-logs", traces, dict(os.environ),
+        poke=lambda: generate(stack.port, "poke", 8),
+    )  # fmt: skip
+    try:
+        for name in ("static:0", "bandit", "ppo"):  # ppo: the bundled zip (one depth here: served static)
+            swapped = swap.use(name)
+            assert swapped.live, swapped.why
+            out = concurrent(stack.port, 2, 16)
+            assert all(r["meta_info"]["completion_tokens"] == 16 for r in out)
+        assert int(swap.stop()["steps"]) > 0  # type: ignore[call-overload]
+    finally:
+        swap.stop()
+        stack.controller = stack.start_controller("controller-3.log")
+    assert [s.stopped.get("policy") for s in swap.history] == [None, "static:0", "bandit"]
+    assert {p.name for p in traces.iterdir()} == {"static-0", "bandit", "ppo"}
+    assert all(step_records(traces / name) for name in ("static-0", "bandit", "ppo"))
+
+
 def step_records_in(paths: list[Path]) -> bool:
     from controller.traces import iter_records
 

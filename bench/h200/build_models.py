@@ -86,7 +86,8 @@ def _llama_config(shape: Shape, layers: int, **extra: object) -> dict[str, objec
         "num_key_value_heads": shape.kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": 8192,
+        # 16k: the long-prompt workload (realgpu.py) sends 8192-token prompts plus their outputs.
+        "max_position_embeddings": 16384,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "vocab_size": VOCAB,

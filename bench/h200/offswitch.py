@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import io
 import json
 import os
@@ -147,23 +148,33 @@ def facts(server: Server) -> dict[str, Any]:
 
 
 class Book:
-    """``summary.csv`` + ``offswitch.json`` + logs, re-written into ``--out`` after every point."""
+    """``summary.csv`` + ``offswitch.json`` + logs, re-written into ``--out`` after every point.
 
-    def __init__(self, out: Path, res: run.Results) -> None:
+    ``qualify`` (default): a workload name gets ``-<input>-<output>-<backend>`` from the run's
+    args; ``realgpu.py`` turns it off and names its workloads in full.
+    """
+
+    def __init__(self, out: Path, res: run.Results, qualify: bool = True) -> None:
         self.out = out
         self.res = res
+        self.qualify = qualify
         self.rows: list[dict[str, Any]] = []
         self.points: list[dict[str, Any]] = []
-        self.outputs: dict[tuple[int, int, str], list[list[int]]] = {}
+        self.outputs: dict[tuple[str, int, int, str], list[str]] = {}  # output hashes per request
 
     def add(self, server: Server, rep: int, m: dict[str, Any], policy: str = "", workload: str = "") -> None:
         c = m["concurrency"]
         policy = policy or server.kind.policy
-        if not workload or workload.startswith("closed"):
-            self.outputs[(rep, c, policy)] = [r["output_ids"] for r in m["requests"]]
         args = self.res.data["args"]
+        name = workload or "closed"
+        if self.qualify:
+            name = f"{name}-{args['input_tokens']}-{args['output_tokens']}-{args['backend']}"
+        compared = not workload or not workload.startswith(("switch", "accept", "resume"))
+        hashes = [output_hash(r["output_ids"]) for r in m["requests"]]
+        if compared:  # the same requests on every policy: greedy outputs compare one by one
+            self.outputs[(name, rep, c, policy)] = hashes
         row = {
-            "workload": f"{workload or 'closed'}-{args['input_tokens']}-{args['output_tokens']}-{args['backend']}",
+            "workload": name,
             "concurrency": c,
             "policy": policy,
             "rep": rep,
@@ -176,16 +187,21 @@ class Book:
         point = {**row, "server": server.spec.label, "wall_s": round(m["wall_s"], 2), "errors": m["errors"],
                  "accept_len_mean": m["accept_len_mean"], "ttft_ms_mean": round(m["ttft_mean_ms"], 1),
                  "hist": m["accepted_drafts_histogram"], "mix": m.get("mix", "")}  # fmt: skip
-        plain = self.outputs.get((rep, c, "plain"))
-        if plain is not None and (not workload or workload.startswith("closed")):
-            for label in [lbl for (r, cc, lbl) in self.outputs if r == rep and cc == c and lbl != "plain"]:
-                mine = self.outputs[(rep, c, label)]
+        if compared:  # per request, a short hash of its output: identity across calls (analysis)
+            point["out_hash"] = hashes
+        plain = self.outputs.get((name, rep, c, "plain"))
+        if plain is not None and compared:
+            for label in [
+                p for (w, r, cc, p) in self.outputs if (w, r, cc) == (name, rep, c) and p != "plain"
+            ]:
+                mine = self.outputs[(name, rep, c, label)]
                 same = sum(a == b for a, b in zip(plain, mine))
-                self.res.data.setdefault("identity", {})[f"{label} rep{rep} C={c}"] = [same, len(plain)]
+                key = f"{label} rep{rep} C={c}" if self.qualify else f"{name} {label} rep{rep} C={c}"
+                self.res.data.setdefault("identity", {})[key] = [same, len(plain)]
         self.points.append(point)
         run.log(
-            f"{server.spec.label:>9} rep {rep} C={c:<3} {row['tok_s']:9.1f} tok/s  tpot {row['tpot_ms_mean']:7.2f}"
-            f"/{row['tpot_ms_p99']:7.2f} ms  failed {row['failed']}"
+            f"{server.spec.label:>9} {policy:>24} rep {rep} C={c:<3} {row['tok_s']:9.1f} tok/s  "
+            f"tpot {row['tpot_ms_mean']:7.2f}/{row['tpot_ms_p99']:7.2f} ms  failed {row['failed']}"
         )
         self.flush()
 
@@ -198,6 +214,11 @@ class Book:
         self.res.data["points"] = self.points
         (self.out / "offswitch.json").write_text(json.dumps(self.res.data, indent=1, default=str))
         self.res.flush()
+
+
+def output_hash(ids: list[int]) -> str:
+    """A short hash of one request's output token ids (equal outputs, equal hashes)."""
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -2,39 +2,64 @@
 
 Runs on the device machine like ``offswitch.py`` (whose servers and result book it uses): set-up,
 the testbed's models (a permutation target, the ``tb`` drafter), several servers at once on the
-one GPU (KV capped), then stages, each resumable by naming only the stages not done:
+one GPU (KV capped), a warm-up, then stages. A call runs the stages and policies it is given;
+``bench/h200/REALGPU.md`` splits the whole proof into calls (``--first-rep`` numbers each
+call's repetitions apart, so the calls' ``summary.csv`` files concatenate).
 
-  accept   the drafter's measured acceptance per family and position (static depth 5, C=16),
-           next to the figure each family is calibrated to.
-  closed   closed loop at each C on the family mix, ``--reps`` repetitions interleaved: every
-           repetition times every (server, policy) at each C in a rotating order. Policies on
-           the hook server (``--policies``): ``static:K`` through the scripted controller, any
-           other name through ``controller serve --policy NAME --record`` (traces for
-           ``controller train --traces``).
-  resume   acceptance around a resume on each hook server: depth 3 for 100 steps, 0 for 200,
-           then 3, against the same requests held at depth 3 (per-step telemetry in
-           ``scripted_*.jsonl``; ``analyze_resume`` reads it).
+Policies are named as ``summary.csv`` writes them. Three are servers of their own
+(``offswitch.KINDS``): ``plain`` (no ``--speculative-*`` flag), ``sglang-adaptive-default`` and
+``sglang-adaptive-tuned`` (SGLang's own adaptive rule, with its default tiers and with the
+tiers our launcher generates: every depth of ``--depths`` at every batch size). Every other
+name runs on the hook server (``off``: EAGLE-3 through ``sglang_hook.launch_server``, fallback
+depth 0) under ``controller serve --policy SPEC --record`` (``policyswap.py``: ``static:K``
+and builtin names as ``builtin:NAME``, ``ppo`` / ``ppo-retrained`` as their zips,
+``NAME=SPEC`` for anything else); each swap stops the last controller, starts the next on the
+hook's endpoint and waits until the hook's hello reached it. The servers that start are those
+the stages' policies need.
 
-Servers (``--servers``, kinds of ``offswitch.KINDS``): ``plain`` (no ``--speculative-*``
-flag), ``off`` (EAGLE-3 through the hook, depth 0 a plain decode, the drafter's extend kept),
-``off-skip`` (the extend skipped at depth 0), ``sglang-default`` and ``sglang-tuned`` (SGLang's
-own adaptive rule with its default tiers and with every depth at every batch size).
+Stages (``--stages``, in this order):
 
-Writes under ``--out``: ``summary.csv`` (``workload,concurrency,policy,rep,tok_s,tpot_ms_mean,
-tpot_ms_p99,failed``), ``offswitch.json`` (every point, greedy identity against ``plain``,
-acceptance, resume), the controller's traces and ``res.tar.gz`` (logs), after every point.
+  accept   the drafter's acceptance per family and position (static depth 5, C=16), next to
+           the figure each family is calibrated to.
+  closed   closed loop at each C (``--conc``) on the family mix, 256-token prompts, 128 greedy
+           output tokens, max(4, 2C) requests; per repetition every policy of ``--policies``
+           in a rotating order, all C for one policy before the next (one controller start
+           per policy and repetition).
+  long     the same with ``--long-input``-token prompts (8192) at ``--long-conc`` (16, 64),
+           C requests per point, ``--long-policies``. At C=64 the KV cap (``--max-total-
+           tokens`` per server, 4 servers on one GPU) holds about 16 such requests: the rest
+           queue, as they would on a server of that size.
+  open     the shifting open-loop trace (``openloop.py``: Poisson, trickle -> overload ->
+           trickle, chat -> code -> docs) of ``--open-s`` seconds, once per policy of
+           ``--open-policies`` and repetition; ``concurrency`` is 0 in ``summary.csv``.
+  resume   acceptance around a resume on the hook server (scripted controller): depth 3 for
+           100 steps, 0 for 200, then 3, against the same requests held at depth 3.
 
-Usage (device, repo root): python3 bench/h200/realgpu.py --out "$OUT" --stages accept,closed,resume
+Method: before the stages every depth of ``--depths`` runs at every C (and a long prompt once)
+on the hook server, and every C on the others; before each timed point its prompts are sent
+once with one output token (``--prewarm point``), so every policy finds them in SGLang's prefix
+cache (points whose prompts do not fit in half the KV cap are sent cold to every policy).
+A point is not started after ``--deadline-s``; an open-loop point not unless its trace fits.
+
+Writes under ``--out`` after every point: ``summary.csv`` (``workload,concurrency,policy,rep,
+tok_s,tpot_ms_mean,tpot_ms_p99,failed``), ``offswitch.json`` (every point with per-request
+output hashes, greedy identity against ``plain``, acceptance, resume, each controller swap),
+``res.tar.gz`` (logs), and after each controller stops ``traces.tar``: its traces, flat, as
+``traces/<policy>-<instance>-<start>.msgpack.gz`` (``controller train --traces``).
+
+Usage (device, repo root): python3 bench/h200/realgpu.py --out "$OUT" --stages closed --reps 1
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -44,46 +69,162 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import offswitch  # noqa: E402
+import openloop  # noqa: E402
+import policyswap  # noqa: E402
 import run  # noqa: E402
 import testbed  # noqa: E402
 from loadgen import LoadSpec, run_load  # noqa: E402
 
+STAGES = ("accept", "closed", "long", "open", "resume")
+# The policies that are servers of their own (offswitch.KINDS label by summary.csv name).
+SERVER_POLICIES = {
+    k.policy: label for label, k in offswitch.KINDS.items() if not k.speculative or k.sglang_rule
+}
+HOOK = "off"
+DEPTHS = (0, 1, 2, 3, 5)  # the bundled PPO zip's depths: a zip refuses any other tuple
+BUILTINS = ("goodput", "vllm-dsd", "trtllm-schedule", "bandit", "sglang-adaptive", "sglang-adaptive-all")
+STATICS = ("static:0", "static:1", "static:3", "static:5")
+SGLANG_RULES = ("sglang-adaptive-default", "sglang-adaptive-tuned")
 
-class Scripted:
-    """The scripted controller on a hook server's endpoint, steered through a control file."""
 
-    def __init__(self, server: offswitch.Server) -> None:
-        self.server = server
-        self.control = run.RES / f"control_{server.spec.label}.txt"
-        self.record = run.RES / f"scripted_{server.spec.label}.jsonl"
-        self.proc: subprocess.Popen[bytes] | None = None
+def default_policies(stage: str, repo: Path = policyswap.REPO) -> list[str]:
+    """The policies a stage runs by default: the issue's baselines, then the controller's PPO
+    policies (``ppo-retrained`` once its zip is committed; with it comes the simulator fitted to
+    the testbed's traces, and ``goodput-fit``, goodput on that fit, joins the closed stage)."""
+    ppo = ["ppo"] + (["ppo-retrained"] if (repo / policyswap.NAMED_ZIPS["ppo-retrained"]).exists() else [])
+    if stage == "closed":
+        fit = ["goodput-fit"] if (repo / policyswap.NAMED_SIMS["goodput-fit"]).exists() else []
+        return ["plain", *SGLANG_RULES, *STATICS, *BUILTINS, *fit, *ppo]
+    if stage == "long":
+        return ["plain", *SGLANG_RULES, *STATICS, *ppo]
+    return ["plain", *SGLANG_RULES, "static:1", "static:3", *ppo]  # open: 3-5 min each (REALGPU.md)
 
-    def start(self, schedule: str = "static:0") -> bool:
-        self.control.write_text(schedule)
-        log = run.RES / f"scripted_{self.server.spec.label}.log"
-        self.fh = open(log, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "scripted_controller.py"), "--bind", self.server.endpoint,
-             "--schedule", f"file:{self.control}", "--record", str(self.record)],
-            env=run._env(), stdout=self.fh, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        for _ in range(30):  # until the hook has said hello to this controller
-            run_load(self.server.url, LoadSpec(1, 1, 64, 8, seed=999))
-            if "hello from" in log.read_text(errors="replace"):
-                return True
-        return False
 
-    def set(self, schedule: str) -> None:
-        tmp = self.control.with_suffix(".tmp")
-        tmp.write_text(schedule)
-        os.replace(tmp, self.control)
-        time.sleep(0.02)
+def rotate(items: list[Any], rep: int) -> list[Any]:
+    """``items`` starting a third further on at each repetition: over three repetitions every
+    policy runs once early, once midway and once late, so slow drift hits each alike."""
+    if not items:
+        return []
+    k = ((rep - 1) * max(1, round(len(items) / 3))) % len(items)
+    return items[k:] + items[:k]
+
+
+def servers_needed(policies: list[str]) -> list[str]:
+    """Server labels (``offswitch.KINDS``) the policies run on, hook server included if needed."""
+    labels = [SERVER_POLICIES[p] for p in policies if p in SERVER_POLICIES]
+    if any(p not in SERVER_POLICIES for p in policies):
+        labels.append(HOOK)
+    return [lbl for lbl in offswitch.KINDS if lbl in labels]  # a stable order: plain first
+
+
+class TracePack:
+    """Appends each stopped controller's trace files, gzipped and flat, to ``out/traces.tar``
+    (``traces2.tar``, ... once one passes 15 MiB: the device tool returns files of 16 MiB at most)."""
+
+    LIMIT = 15 << 20
+
+    def __init__(self, records: Path, out: Path) -> None:
+        self.records = records
+        self.out = out
+        self.done: set[Path] = set()
+        self.n = 0
+
+    def add_new(self) -> int:
+        """Pack the files not packed yet (call it only while no controller writes)."""
+        new = sorted(p for p in self.records.glob("*/*.msgpack") if p not in self.done)
+        if not new:
+            return 0
+        tar_path, n = self.out / "traces.tar", 1
+        while tar_path.exists() and tar_path.stat().st_size > self.LIMIT:
+            n += 1
+            tar_path = self.out / f"traces{n}.tar"
+        with tarfile.open(tar_path, "a" if tar_path.exists() else "w") as tar:
+            for p in new:
+                data = gzip.compress(p.read_bytes(), compresslevel=6)
+                info = tarfile.TarInfo(f"traces/{p.parent.name}-{p.name}.gz")
+                info.size = len(data)
+                info.mtime = int(p.stat().st_mtime)
+                tar.addfile(info, io.BytesIO(data))
+                self.done.add(p)
+        self.n += len(new)
+        return len(new)
+
+
+class Bench:
+    """The servers, the hook server's controller swap and the result book of one call."""
+
+    def __init__(self, args: argparse.Namespace, book: offswitch.Book, live: list[offswitch.Server]) -> None:
+        self.args = args
+        self.book = book
+        self.by_label = {s.spec.label: s for s in live}
+        self.deadline = run.T0 + args.deadline_s
+        self.swap: policyswap.ControllerSwap | None = None
+        self.records = run.ROOT / f"traces_{int(run.T0)}"  # per call: a warm machine keeps the last call's
+        self.pack = TracePack(self.records, args.out)
+        hook = self.by_label.get(HOOK)
+        if hook is not None:
+            self.swap = policyswap.ControllerSwap(
+                hook.endpoint, run.RES, self.records, run._env(),
+                poke=lambda: run_load(hook.url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
+                label=HOOK, on_stop=self.pack.add_new,
+            )  # fmt: skip
+
+    def server_for(self, policy: str) -> offswitch.Server | None:
+        return self.by_label.get(SERVER_POLICIES.get(policy, HOOK))
+
+    def use(self, policy: str) -> offswitch.Server | None:
+        """The server that runs ``policy``, with ``policy`` live on it; None if it cannot run."""
+        server = self.server_for(policy)
+        if server is None:
+            self.book.res.event("no_server", policy=policy)
+            return None
+        if server.spec.label != HOOK:
+            return server
+        assert self.swap is not None
+        swap = self.swap.use(policyswap.resolve(policy))
+        if swap.why == "already running":
+            return server
+        self.book.res.data.setdefault("swaps", []).append(
+            {"t_s": round(time.time() - run.T0, 1), **vars(swap)}
+        )
+        run.log(f"controller {policy}: {swap.why} (start {swap.start_s} s, hello {swap.hello_s} s)")
+        return server if swap.live else None
+
+    def time_left(self, need_s: float = 0.0) -> bool:
+        return time.time() + need_s < self.deadline
+
+    def measure(self, server: offswitch.Server, policy: str, spec: LoadSpec, rep: int, workload: str) -> None:
+        if (
+            self.args.prewarm == "point"
+            and spec.n_requests * spec.input_tokens <= self.args.max_total_tokens // 2
+        ):
+            run_load(server.url, LoadSpec(spec.concurrency, spec.n_requests, spec.input_tokens, 1, spec.seed,
+                                          spec.mix), timeout_s=300)  # fmt: skip
+        m = run_load(server.url, spec, timeout_s=max(60.0, self.deadline - time.time() + 120))
+        self.book.add(server, rep, m, policy=policy, workload=workload)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-        self.proc = None
+        if self.swap is not None:
+            stopped = self.swap.stop()  # packs its traces (on_stop)
+            if stopped:
+                self.book.res.data.setdefault("swaps", []).append({"stopped": stopped})
+
+
+def warm(bench: Bench, args: argparse.Namespace, stages: list[str]) -> None:
+    """Every depth at every C on the hook server, every C elsewhere, long prompts once per server.
+
+    The hook's first swap also compiles the controller's numba kernels on a fresh machine
+    (cached on disk for the later swaps)."""
+    conc = sorted(set(args.conc) | (set(args.long_conc) if "long" in stages else set()))
+    for label, server in bench.by_label.items():
+        for depth in DEPTHS if label == HOOK else (None,):
+            if depth is not None and bench.use(f"static:{depth}") is None:
+                continue
+            for c in conc:
+                run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c, mix=args.mix))
+        if "long" in stages:
+            run_load(server.url, LoadSpec(2, 2, args.long_input, 16, seed=8, mix=args.mix), timeout_s=300)
+    bench.book.res.event("warm")
 
 
 def per_position(hist: list[int]) -> list[float]:
@@ -97,36 +238,89 @@ def per_position(hist: list[int]) -> list[float]:
     return out if total else []
 
 
-def stage_accept(
-    book: offswitch.Book, server: offswitch.Server, ctl: Scripted, args: argparse.Namespace
-) -> None:
-    ctl.set("static:5")
+def stage_accept(bench: Bench, args: argparse.Namespace) -> None:
+    server = bench.use("static:5")
+    if server is None:
+        return
     out = {}
     for fam in testbed.FAMILIES.values():
         spec = LoadSpec(16, 32, args.input_tokens, args.output_tokens, seed=77, mix=fam.name)
         m = run_load(server.url, spec, timeout_s=120)
-        book.add(server, 0, m, policy="static:5", workload=f"accept-{fam.name}")
+        bench.book.add(server, 0, m, policy="static:5", workload=f"accept-{fam.name}")
         pos = per_position(m["accepted_drafts_histogram"])
         out[fam.name] = {"q_built": fam.q, "per_position": pos, "accept_len_k5": round(m["accept_len_mean"], 3),
                          "target": fam.target, "hist": m["accepted_drafts_histogram"], "failed": m["failed"]}  # fmt: skip
         run.log(f"accept {fam.name}: per position {pos}, accepted length at 5: {m['accept_len_mean']:.3f}")
-    book.res.data["acceptance"] = out
-    book.flush()
+    bench.book.res.data["acceptance"] = out
+    bench.book.flush()
 
 
-def stage_resume(book: offswitch.Book, servers: list[offswitch.Server], ctls: dict[str, Scripted],
-                 args: argparse.Namespace, deadline: float) -> None:  # fmt: skip
-    spec = LoadSpec(64, 64, args.input_tokens, 1024, seed=4321, mix="chat,code")
-    for server in servers:
-        for schedule in ("phases:3x100,0x200,3", "static:3"):
-            if time.time() > deadline:
-                book.res.event("skipped_resume", server=server.spec.label, schedule=schedule)
+def stage_loop(bench: Bench, args: argparse.Namespace, stage: str) -> None:
+    """``closed`` or ``long``: per repetition, each policy in a rotating order, all its C."""
+    if stage == "closed":
+        policies, conc, n_in = args.policies, args.conc, args.input_tokens
+        workload = f"closed-mix-{args.input_tokens}-{args.output_tokens}"
+    else:
+        policies, conc, n_in = args.long_policies, args.long_conc, args.long_input
+        workload = f"long-mix-{args.long_input}-{args.output_tokens}"
+    need_s = 0.0 if stage == "closed" else 60.0  # a long point at C=64 lasts up to about a minute
+    for rep in range(args.first_rep, args.first_rep + args.reps):
+        for policy in rotate(list(policies), rep):
+            if not bench.time_left(need_s):
+                bench.book.res.event("skipped", stage=stage, policy=policy, rep=rep)
                 continue
-            ctls[server.spec.label].set(schedule)
-            m = run_load(server.url, spec, timeout_s=max(30.0, deadline - time.time() + 60))
-            book.add(server, 0, m, policy=f"resume-{schedule}", workload="resume")
-    book.res.data["resume"] = analyze_resume(run.RES)
-    book.flush()
+            server = bench.use(policy)
+            if server is None:
+                bench.book.res.event("not_run", stage=stage, policy=policy, rep=rep)
+                continue
+            for c in conc:
+                if not bench.time_left(need_s):
+                    bench.book.res.event("skipped", stage=stage, policy=policy, rep=rep, c=c)
+                    continue
+                n = max(4, args.requests_per_conc * c) if stage == "closed" else c
+                spec = LoadSpec(c, n, n_in, args.output_tokens, seed=1000 * rep + c + (0 if stage == "closed" else 500),
+                                mix=args.mix)  # fmt: skip
+                bench.measure(server, policy, spec, rep, workload)
+
+
+def open_spec(args: argparse.Namespace, rep: int) -> openloop.OpenSpec:
+    """The open-loop trace: the same for every policy; ``--open-seed`` picks it (not the rep, so
+    every repetition of every call replays one trace)."""
+    return openloop.OpenSpec(duration_s=args.open_s, peak_rps=args.open_peak_rps,
+                             input_tokens=args.input_tokens, seed=args.open_seed)  # fmt: skip
+
+
+def stage_open(bench: Bench, args: argparse.Namespace) -> None:
+    workload = f"open-shift-{args.open_s:g}s"
+    for rep in range(args.first_rep, args.first_rep + args.reps):
+        spec = open_spec(args, rep)
+        bench.book.res.data.setdefault("open_trace", {"spec": vars(spec), "bins": openloop.describe(spec)})
+        for policy in rotate(list(args.open_policies), rep):
+            # The trace plus its drain (the overload's backlog) and a controller start must fit.
+            if not bench.time_left(args.open_s * 1.25 + 30):
+                bench.book.res.event("skipped", stage="open", policy=policy, rep=rep)
+                continue
+            server = bench.use(policy)
+            if server is None:
+                bench.book.res.event("not_run", stage="open", policy=policy, rep=rep)
+                continue
+            m = openloop.run_open(server.url, spec, timeout_s=args.open_s * 3 + 120)
+            bench.book.add(server, rep, m, policy=policy, workload=workload)
+
+
+def stage_resume(bench: Bench, args: argparse.Namespace) -> None:
+    spec = LoadSpec(64, 64, args.input_tokens, 1024, seed=4321, mix="chat,code")
+    for schedule in ("phases:3x100,0x200,3", "static:3"):
+        if not bench.time_left():
+            bench.book.res.event("skipped_resume", schedule=schedule)
+            continue
+        server = bench.use(f"scripted:{schedule}")
+        if server is None:
+            continue
+        m = run_load(server.url, spec, timeout_s=max(30.0, bench.deadline - time.time() + 60))
+        bench.book.add(server, 0, m, policy=f"resume-{schedule}", workload="resume")
+    bench.book.res.data["resume"] = analyze_resume(run.RES)
+    bench.book.flush()
 
 
 def analyze_resume(res: Path) -> dict[str, Any]:
@@ -167,79 +361,100 @@ def analyze_resume(res: Path) -> dict[str, Any]:
     return out
 
 
-def closed_points(servers: list[offswitch.Server], policies: list[str]) -> list[tuple[offswitch.Server, str]]:
-    points: list[tuple[offswitch.Server, str]] = []
-    for s in servers:
-        if s.kind.sglang_rule or not s.kind.speculative:
-            points.append((s, s.kind.policy))
-        elif s.spec.label == "off":
-            points += [(s, p) for p in policies]
-        else:  # off-skip: depth 0 only
-            points.append((s, "static:0-skip"))
-    return points
+def _list(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
 
 
-def stage_closed(book: offswitch.Book, servers: list[offswitch.Server], ctls: dict[str, Scripted],
-                 args: argparse.Namespace, deadline: float) -> None:  # fmt: skip
-    points = closed_points(servers, args.policies)
-    book.res.event("closed_points", points=[f"{s.spec.label}:{p}" for s, p in points])
-    for rep in range(1, args.reps + 1):
-        for c in args.conc:
-            k = (rep * 3 + c) % len(points)
-            for server, policy in points[k:] + points[:k]:
-                if time.time() > deadline:
-                    book.res.event("skipped", server=server.spec.label, policy=policy, rep=rep, c=c)
-                    continue
-                ctl = ctls.get(server.spec.label)
-                if ctl is not None:
-                    ctl.set(policy.replace("-skip", ""))
-                n = max(4, args.requests_per_conc * c)
-                spec = LoadSpec(
-                    c, n, args.input_tokens, args.output_tokens, seed=1000 * rep + c, mix=args.mix
-                )
-                m = run_load(server.url, spec, timeout_s=max(30.0, deadline - time.time() + 60))
-                book.add(server, rep, m, policy=policy, workload="closed-mix")
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    doc = __doc__ or ""
+    parser = argparse.ArgumentParser(
+        description=doc.splitlines()[0], epilog="Call plan and retraining: bench/h200/REALGPU.md"
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
-    parser.add_argument("--deadline-s", type=float, default=530.0, help="start no new point after this")
-    parser.add_argument("--servers", default="plain,off,off-skip,sglang-default")
-    parser.add_argument("--stages", default="accept,closed,resume")
     parser.add_argument(
-        "--policies", default="static:0,static:1,static:3,static:5", type=lambda s: s.split(",")
+        "--deadline-s", type=float, default=540.0, help="start no new point after this (s from start)"
+    )
+    parser.add_argument("--stages", default="accept,closed", help=f"comma list of {','.join(STAGES)}")
+    parser.add_argument(
+        "--servers", default="", help="override: comma list of offswitch.KINDS labels to start"
+    )
+    parser.add_argument(
+        "--policies", type=_list, default=None, help="closed stage (default: every baseline + ppo)"
+    )
+    parser.add_argument("--long-policies", type=_list, default=None, help="long stage")
+    parser.add_argument("--open-policies", type=_list, default=None, help="open stage")
+    parser.add_argument("--reps", type=int, default=1, help="repetitions per stage in this call")
+    parser.add_argument(
+        "--first-rep", type=int, default=1, help="number of the first repetition (unique across calls)"
     )
     parser.add_argument("--backend", default="triton", choices=("triton", "flashinfer"))
-    parser.add_argument("--conc", default="1,4,16,64,128", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--conc", type=_ints, default=[1, 4, 16, 64, 128])
     parser.add_argument(
-        "--requests-per-conc", type=int, default=2, help="requests per point = this x C (min 4)"
+        "--requests-per-conc", type=int, default=2, help="closed: requests per point = this x C (min 4)"
     )
     parser.add_argument("--input-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--long-input", type=int, default=8192, help="long stage: prompt tokens")
+    parser.add_argument("--long-conc", type=_ints, default=[16, 64])
+    parser.add_argument(
+        "--open-s", type=float, default=180.0, help="open stage: arrival window per policy (s)"
+    )
+    parser.add_argument("--open-peak-rps", type=float, default=80.0, help="open stage: peak arrival rate")
+    parser.add_argument("--open-seed", type=int, default=0)
     parser.add_argument("--mix", default="chat,code,docs", help="testbed families drawn per request")
-    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--prewarm", default="point", choices=("point", "none"),
+                        help="send each point's prompts once before timing it (prefix cache)")  # fmt: skip
+    parser.add_argument(
+        "--context", type=int, default=8704, help="servers' --context-length (long prompt + output)"
+    )
     parser.add_argument("--mem-fraction", type=float, default=0.8)
-    parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument("--max-total-tokens", type=int, default=139264,
+                        help="KV cap per server: 16 long requests (8192 + 128) fit; 4 servers fit an H200")  # fmt: skip
     parser.add_argument("--no-prefill-graph", action="store_true", default=True)
-    args = parser.parse_args()
+    parser.add_argument("--no-warm", action="store_true", help="skip the warm-up (a quick check only)")
+    return parser
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    stages = _list(args.stages)
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        parser.error(f"unknown stages {bad}; choose from {','.join(STAGES)}")
+    args.policies = args.policies or default_policies("closed")
+    args.long_policies = args.long_policies or default_policies("long")
+    args.open_policies = args.open_policies or default_policies("open")
     args.draft = "draft_tb"
-    args.depths = (0, 1, 3, 5)
+    args.depths = DEPTHS
     args.target_out_std = 0.002
-    stages = args.stages.split(",")
-    unknown = [s for s in args.servers.split(",") if s not in offswitch.KINDS]
+    wanted = {"closed": args.policies, "long": args.long_policies, "open": args.open_policies}
+    needed: list[str] = []
+    for stage in stages:
+        needed += wanted.get(stage, ["static:5"] if stage in ("accept", "resume") else [])
+    args.server_labels = _list(args.servers) or servers_needed(needed)
+    unknown = [s for s in args.server_labels if s not in offswitch.KINDS]
     if unknown:
         parser.error(f"unknown servers {unknown}; choose from {sorted(offswitch.KINDS)}")
+    args.stage_list = stages
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    stages = args.stage_list
     args.out.mkdir(parents=True, exist_ok=True)
-    deadline = run.T0 + args.deadline_s
     res = run.Results(args.out)
     res.data["device"] = run.device_info()
     res.data["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    book = offswitch.Book(args.out, res)
+    book = offswitch.Book(args.out, res, qualify=False)
     servers: list[offswitch.Server] = []
-    ctls: dict[str, Scripted] = {}
+    bench: Bench | None = None
+    deadline = run.T0 + args.deadline_s
     try:
         compiler = run.setup(res)
         compiler.wait()
@@ -250,7 +465,7 @@ def main() -> int:
         res.flush()
         if not (built and res.data.get("imports_ok")):
             return 1
-        for i, label in enumerate(args.servers.split(",")):
+        for i, label in enumerate(args.server_labels):
             server = offswitch.Server(label, offswitch.KINDS[label], 31000 + i, args)
             server.start(run._env())
             servers.append(server)
@@ -261,31 +476,22 @@ def main() -> int:
             ready[server.spec.label] = why
             run.log(f"server {server.spec.label}: {why}")
         res.event("ready", servers=ready)
-        live = [s for s in servers if ready[s.spec.label] == "ready"]
-        for server in live:
-            if server.kind.speculative and not server.kind.sglang_rule:
-                ctl = Scripted(server)
-                res.event("scripted", server=server.spec.label, hello=ctl.start())
-                ctls[server.spec.label] = ctl
-        for (
-            server
-        ) in live:  # warm every batch shape once (depth 0 and 5 on the hook), outside the timed points
-            for schedule in ("static:0", "static:5") if server.spec.label in ctls else ("",):
-                if schedule:
-                    ctls[server.spec.label].set(schedule)
-                for c in args.conc:
-                    run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c, mix=args.mix))
-        res.event("warm")
-        hook = next((s for s in live if s.spec.label == "off"), None)
-        if "accept" in stages and hook is not None:
-            stage_accept(book, hook, ctls["off"], args)
-        if "resume" in stages:
-            stage_resume(book, [s for s in live if s.spec.label in ctls], ctls, args, deadline)
+        bench = Bench(args, book, [s for s in servers if ready[s.spec.label] == "ready"])
+        if not args.no_warm:
+            warm(bench, args, stages)
+        if "accept" in stages:
+            stage_accept(bench, args)
         if "closed" in stages:
-            stage_closed(book, live, ctls, args, deadline)
+            stage_loop(bench, args, "closed")
+        if "long" in stages:
+            stage_loop(bench, args, "long")
+        if "open" in stages:
+            stage_open(bench, args)
+        if "resume" in stages:
+            stage_resume(bench, args)
     finally:
-        for ctl in ctls.values():
-            ctl.stop()
+        if bench is not None:
+            bench.stop()
         for server in servers:
             server.stop()
             res.data.setdefault("servers", {})[server.spec.label] = {
@@ -298,8 +504,15 @@ def main() -> int:
         print("\n== resume:", json.dumps(res.data.get("resume"))[:1500])
         bad = {k: v for k, v in res.data.get("identity", {}).items() if v[0] != v[1]}
         print(f"\n== identity against plain: {len(res.data.get('identity', {}))} points, differing: {bad}")
-        closed = [r for r in book.rows if r["workload"].startswith("closed")]
-        print("\n== throughput (tok/s), ratios to plain per repetition\n" + offswitch.table(closed))
+        swaps = [s for s in res.data.get("swaps", []) if "policy" in s and not s.get("live")]
+        print(f"\n== controller swaps that did not go live: {swaps}")
+        for prefix in ("closed", "long", "open"):
+            rows = [r for r in book.rows if r["workload"].startswith(prefix)]
+            if rows:
+                print(
+                    f"\n== {prefix}: throughput (tok/s), ratios to plain per repetition\n"
+                    + offswitch.table(rows)
+                )
     return 0
 
 

@@ -1,0 +1,340 @@
+"""The H200 real-server harness (``bench/h200/realgpu.py``) without a GPU: the controller swap
+against real ``controller serve`` processes and the hook's own client, the open-loop trace,
+which servers and policies a call runs, and the report's ratios and criteria."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.protocol import Hello, Step
+from controller.registry import BUILTINS
+from controller.traces import iter_records
+from sglang_hook.client import ControllerClient
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "h200"))
+
+import openloop  # noqa: E402
+import policyswap  # noqa: E402
+import realgpu  # noqa: E402
+import realgpu_report  # noqa: E402
+
+DEPTHS = realgpu.DEPTHS
+
+
+# --------------------------------------------------------------------------- the swap
+
+
+class Hook:
+    """The hook's side as the scheduler drives it: a ControllerClient fed one step per decode."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.client = ControllerClient(endpoint, Hello("h200-off", DEPTHS), stale_ms=200)
+        self.seq = itertools.count(1)
+        self.depth = 0  # the depth the last step ran with: the decision, else the fallback (0)
+
+    def step(self) -> None:
+        accept = [1, 0] if self.depth else []
+        self.client.send_step(
+            Step(
+                "h200-off", next(self.seq), self.depth, 2, 0, accept, 8000, 600, 0.01, 0, time.monotonic_ns()
+            )
+        )
+        time.sleep(0.005)
+        got = self.client.poll_decision()
+        self.depth = 0 if got is None else got
+
+    def poke(self) -> None:  # a short request: a few decode steps
+        for _ in range(10):
+            self.step()
+
+    def until(self, depth: int, timeout_s: float = 10.0) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            self.step()
+            if self.depth == depth:
+                return True
+        return False
+
+
+@pytest.mark.slow
+def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_traces(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/hook.sock"
+    hook = Hook(endpoint)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    records = tmp_path / "traces"
+    pack = realgpu.TracePack(records, tmp_path)
+    swap = policyswap.ControllerSwap(
+        endpoint, tmp_path / "logs", records, env, hook.poke, on_stop=pack.add_new
+    )
+    try:
+        first = swap.use("static:1")
+        assert first.live, first.why
+        assert hook.until(1) and hook.client.policy == "static:1"
+        assert swap.use("static:1").why == "already running"  # no restart for the same policy
+
+        second = swap.use("static:3")
+        assert second.live, second.why
+        assert second.stopped["policy"] == "static:1" and int(second.stopped["steps"]) > 0  # type: ignore[call-overload]
+        assert pack.n == 1  # static:1's trace, packed once it was closed, before static:3 started
+        assert hook.until(3) and hook.client.policy == "static:3"
+
+        broken = swap.use("no-such-policy")  # controller serve refuses it: the hook falls back to 0
+        assert not broken.live and "unknown builtin" in broken.why
+        assert hook.until(0)
+        assert swap.use("no-such-policy").why != "already running"  # asked again: tried again
+
+        # The fallback is not permanent: the next controller gets the hook back.
+        again = swap.use("bandit")
+        assert again.live, again.why
+        assert hook.client.policy == "bandit"
+        hook.poke()
+
+        # goodput on a fitted latency model, through the service's own loop (serve_goodput_fit.py).
+        fit = swap.use(f"goodput-fit=goodput-fit:{ROOT / 'agents/bundled/h200-llama8b/sim.json'}")
+        assert fit.live, fit.why
+        assert fit.stopped["policy"] == "bandit" and int(fit.stopped["steps"]) > 0  # type: ignore[call-overload]
+        assert hook.client.policy == "goodput-fit"
+        hook.poke()
+        assert hook.client.counters["decisions"] > 0 and hook.client.fresh_depth() in DEPTHS
+        assert swap.stop()["steps"] > 0  # type: ignore[operator]
+    finally:
+        swap.stop()
+        hook.client.close()
+    tried = ["static:1", "static:3", "no-such-policy", "no-such-policy", "bandit", "goodput-fit"]
+    assert [s.policy for s in swap.history] == tried
+    assert pack.n == 4 and pack.add_new() == 0  # one file per controller that served, each packed once
+    with tarfile.open(tmp_path / "traces.tar") as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    assert sorted(n.split("/")[1].split("-h200-off")[0] for n in names) == [
+        "bandit",
+        "goodput-fit",
+        "static-1",
+        "static-3",
+    ]
+    steps = [r for f in (tmp_path / "unpacked/traces").iterdir() for r in iter_records(f) if r["t"] == "step"]
+    assert len(steps) > 20
+    # The folder is what `controller train --traces` reads: it lists the files flat.
+    out = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "traces", "summarize", str(tmp_path / "unpacked/traces")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+def test_policy_names_map_to_what_runs() -> None:
+    r = policyswap.resolve
+    assert r("static:3").spec == "builtin:static:3"
+    assert r("ppo").spec == str(ROOT / "agents/bundled/h200-llama8b/ppo.zip")
+    assert r("ppo-retrained").spec.endswith("bench/results/realgpu/ppo-retrained/ppo.zip")
+    assert r("mine=/x/y.zip") == policyswap.PolicySpec("mine", "/x/y.zip")
+    assert r("/x/other.zip") == policyswap.PolicySpec("other", "/x/other.zip")
+    assert r("scripted:static:3").scripted and r("static:3").slug == "static-3"
+    assert r("goodput-fit").spec == "goodput-fit:" + str(
+        ROOT / "bench/results/realgpu/ppo-retrained/sim.json"
+    )
+    assert (ROOT / policyswap.NAMED_ZIPS["ppo"]).exists()
+    # Every default hook policy is a builtin `controller serve` serves, or a named zip.
+    for stage in ("closed", "long", "open"):
+        for name in realgpu.default_policies(stage):
+            if (
+                name in realgpu.SERVER_POLICIES
+                or name in policyswap.NAMED_ZIPS
+                or name in policyswap.NAMED_SIMS
+            ):
+                continue
+            assert any(name == b or (b.endswith(":") and name.startswith(b)) for b in BUILTINS), name
+
+
+def test_parse_starts_only_the_servers_the_stages_need() -> None:
+    args = realgpu.parse(["--stages", "closed,long,open"])
+    assert args.server_labels == ["plain", "off", "sglang-default", "sglang-tuned"]
+    assert set(realgpu.STATICS) | set(realgpu.BUILTINS) | {"ppo", "plain"} <= set(args.policies)
+    args = realgpu.parse(["--stages", "open", "--open-policies", "ppo,static:3"])
+    assert args.server_labels == ["off"]
+    args = realgpu.parse(["--stages", "closed", "--policies", "plain,sglang-adaptive-tuned"])
+    assert args.server_labels == ["plain", "sglang-tuned"]
+    # The bundled PPO zip was trained for these depths; the hook server must offer exactly them.
+    meta = json.loads(
+        __import__("zipfile").ZipFile(ROOT / policyswap.NAMED_ZIPS["ppo"]).read("specdepth.json")
+    )
+    assert tuple(meta["depths"]) == realgpu.DEPTHS
+    assert [realgpu.rotate([1, 2, 3], rep) for rep in (1, 2, 3, 4)] == [
+        [1, 2, 3],
+        [2, 3, 1],
+        [3, 1, 2],
+        [1, 2, 3],
+    ]
+    assert [realgpu.rotate(list(range(15)), rep)[0] for rep in (1, 2, 3)] == [0, 5, 10]
+
+
+def test_help_runs_without_sglang() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench/h200/realgpu.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and "--open-policies" in out.stdout
+
+
+# --------------------------------------------------------------------------- the open-loop trace
+
+
+def test_open_trace_is_deterministic_and_shifts_load_and_mix() -> None:
+    spec = openloop.OpenSpec(duration_s=180, peak_rps=80, seed=0)
+    a, b = openloop.arrivals(spec), openloop.arrivals(spec)
+    assert a == b and [openloop.prompt(spec, x) for x in a[:50]] == [openloop.prompt(spec, x) for x in b[:50]]
+    assert openloop.arrivals(openloop.OpenSpec(duration_s=180, peak_rps=80, seed=1)) != a
+    times = [x.t_s for x in a]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 180
+    # The expected count is the rate's integral: about 0.40 x peak x duration.
+    assert abs(len(a) - 0.3995 * 80 * 180) < 4 * (0.3995 * 80 * 180) ** 0.5
+    bins = openloop.describe(spec, bins=10)
+    rps = [b["rps"] for b in bins]
+    assert rps[0] < 0.05 * 80 and rps[-1] < 0.05 * 80  # a trickle at both ends
+    assert max(rps) > 0.8 * 80 and rps.index(max(rps)) in (4, 5)  # overload in the middle
+    assert bins[0]["chat"] == 1.0 and bins[-1]["docs"] == 1.0  # chat -> docs
+    mid = [x for x in a if 0.4 * 180 <= x.t_s < 0.6 * 180]
+    assert sum(x.family == "code" for x in mid) / len(mid) > 0.75  # code leads the overload
+    for x in a[:200]:
+        fam = openloop.testbed.FAMILIES[x.family]
+        assert all(fam.lo <= t < fam.hi for t in openloop.prompt(spec, x))
+        assert spec.min_output_tokens <= x.output_tokens <= spec.max_output_tokens
+    assert abs(sum(openloop.mix(0.3).values()) - 1) < 1e-12
+
+
+class StandIn:
+    """A stand-in for SGLang's streaming ``/generate`` (aiohttp, its own thread): the open-loop
+    client's timing and accounting, not the engine, are under test here."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        from aiohttp import web
+
+        self.seen: list[tuple[float, int]] = []  # (received at, max_new_tokens)
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            n = body["sampling_params"]["max_new_tokens"]
+            self.seen.append((time.perf_counter(), n))
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            for i in range(1, n + 1):
+                await asyncio.sleep(0.002)
+                chunk = {"output_ids": [body["input_ids"][-1]] * i, "meta_info": {"completion_tokens": i}}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_open_loop_sends_each_request_when_due_and_counts_every_token() -> None:
+    pytest.importorskip("aiohttp")
+    spec = openloop.OpenSpec(duration_s=4.0, peak_rps=25, input_tokens=16, min_output_tokens=4,
+                             max_output_tokens=12, seed=3)  # fmt: skip
+    arr = openloop.arrivals(spec)
+    server = StandIn()
+    try:
+        m = openloop.run_open(server.url, spec, timeout_s=60)
+    finally:
+        server.close()
+    assert m["concurrency"] == 0 and m["failed"] == 0 and m["n_requests"] == len(arr) > 20
+    assert sum(r["out_tokens"] for r in m["requests"]) == sum(a.output_tokens for a in arr)
+    assert [r["out_tokens"] for r in m["requests"]] == [a.output_tokens for a in arr]  # by arrival index
+    # Sent when due, not when the previous one finished: received offsets follow the trace's.
+    got = sorted(t for t, _ in server.seen)
+    lag = [(g - got[0]) - (a.t_s - arr[0].t_s) for g, a in zip(got, arr)]
+    assert sorted(abs(x) for x in lag)[len(lag) // 2] < 0.05 and max(abs(x) for x in lag) < 0.5, lag
+    assert m["tpot_mean_ms"] > 0 and m["throughput_tok_s"] > 0
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def write_csv(path: Path, rows: list[tuple[str, int, str, int, float, float]]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "summary.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(realgpu_report.FIELDS)
+        for wl, c, p, rep, tok, tpot in rows:
+            w.writerow([wl, c, p, rep, tok, tpot, tpot * 1.5, 0])
+
+
+def test_report_ratios_and_criteria_from_two_calls(tmp_path: Path) -> None:
+    closed = "closed-mix-256-128"
+    call1 = [  # rep 1: ppo 1.10x plain, 1.00x best static (static:3), ahead of both rules
+        (closed, 16, "plain", 1, 1000, 10), (closed, 16, "static:1", 1, 1050, 9), (closed, 16, "static:3", 1, 1100, 9),
+        (closed, 16, "sglang-adaptive-default", 1, 900, 11), (closed, 16, "sglang-adaptive-tuned", 1, 1000, 10),
+        (closed, 16, "ppo", 1, 1100, 9), ("accept-chat", 16, "static:5", 0, 5, 5),
+        (closed, 16, "static:0-skip", 1, 5000, 1),  # another server's depth 0: not a static depth
+    ]  # fmt: skip
+    call2 = [  # rep 2 (another call): ppo 0.96x plain -> the mean over reps is 1.03x plain
+        (closed, 16, "plain", 2, 1000, 10), (closed, 16, "static:1", 2, 1000, 9), (closed, 16, "static:3", 2, 1000, 9),
+        (closed, 16, "sglang-adaptive-default", 2, 1000, 11), (closed, 16, "sglang-adaptive-tuned", 2, 1000, 10),
+        (closed, 16, "ppo", 2, 960, 9),
+        ("open-shift-180s", 0, "plain", 2, 500, 12.0), ("open-shift-180s", 0, "static:3", 2, 510, 11.0),
+        ("open-shift-180s", 0, "ppo", 2, 500, 10.5),
+    ]  # fmt: skip
+    write_csv(tmp_path / "c1", call1)
+    write_csv(tmp_path / "c2", call2)
+    rows = realgpu_report.read_rows([tmp_path / "c1", tmp_path / "c2"])
+    assert not any(r["workload"].startswith("accept") for r in rows)
+    table, best = realgpu_report.cells(rows)
+    ppo = table[(closed, 16, "ppo")]
+    assert ppo.to_plain == pytest.approx({1: 1.10, 2: 0.96})
+    assert best[(closed, 16)] == "static:3"  # mean 1050 against static:1's 1025 (static:0-skip is no static)
+    assert ppo.to_static == pytest.approx({1: 1.0, 2: 0.96})
+    crit = realgpu_report.criteria(rows)
+    assert crit["ppo"]["plain"]["holds"] is True  # mean 1.03
+    assert crit["ppo"]["static"]["holds"] is False  # mean 0.98 < 0.99
+    assert "0.980 of static:3" in crit["ppo"]["static"]["why"][0]
+    assert (
+        crit["ppo"]["sglang"]["holds"] is True
+    )  # (1100/900 + 960/1000) / 2 = 1.09, (1.10 + 0.96) / 2 = 1.03
+    # Open: TPOT below both, but tok/s 500/510 = 0.980 of static:3 (< 0.99).
+    assert crit["ppo"]["open"]["holds"] is False
+    assert len(crit["ppo"]["open"]["why"]) == 1 and "vs static:3" in crit["ppo"]["open"]["why"][0]
+    assert crit["all"]["failed"]["holds"] is True
+    md = realgpu_report.markdown(rows, crit)
+    assert (
+        "| 16 | ppo | 2 | 1030 (960-1100) | 9.00 (9.00-9.00) | 1.030 (0.960-1.100) | 0.980 (0.960-1.000) | 0 |"
+        in md
+    )
+
+
+def test_report_identity_and_duplicate_reps(tmp_path: Path) -> None:
+    hashes = {("closed", 16, 1, "plain"): ["a", "b"], ("closed", 16, 1, "ppo"): ["a", "x"],
+              ("closed", 16, 1, "static:3"): ["a", "b"], ("closed", 16, 2, "ppo"): ["a", "b"]}  # fmt: skip
+    ident = realgpu_report.identity(hashes)
+    assert ident["holds"] is False and ident["compared"] == 4 and ident["differing"] == 1
+    assert ident["why"] == ["closed C=16 rep 1 ppo: 1/2"]  # rep 2 has no plain: not compared
+    write_csv(tmp_path / "a", [("closed", 1, "plain", 1, 10, 1)])
+    write_csv(tmp_path / "b", [("closed", 1, "plain", 1, 11, 1)])
+    assert realgpu_report.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
