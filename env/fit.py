@@ -447,3 +447,63 @@ def extrapolation_report(df) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+# --------------------------------------------------------------------------- against real traces
+
+DEFAULT_BS_BINS = ((1, 4), (5, 11), (12, 19), (20, 27), (28, 35), (36, 55), (56, 71))
+"""Batch-size bins of :func:`trace_step_table` (inclusive); the real H200 traces run C = 1, 4,
+16 and 64, so each C's steps (its ramp-up and drain spread them) fall in one or two bins."""
+
+
+def decode_step_arrays(steps: list[Step]) -> tuple[np.ndarray, ...]:
+    """``bs, depth, ctx, us`` of the prefill-free decode steps of ``steps`` (the first record
+    of each list measures more than one step and is left out)."""
+    bs, depth, ctx, pf, us = _step_arrays(steps)
+    keep = pf == 0
+    return bs[keep], depth[keep], ctx[keep], us[keep]
+
+
+def trace_step_table(
+    lp: LatencyParams, steps: list[Step], bins: tuple[tuple[int, int], ...] = DEFAULT_BS_BINS
+) -> dict[str, Any]:
+    """The latency model's step time against traced ``step_us``, per (depth, batch-size bin).
+
+    Only prefill-free decode steps (:func:`decode_step_arrays`): a prefill's cost is a term of
+    its own and its chunk sizes differ between runs. Medians (not means), because a record after
+    an idle gap or a host stall measures more than the step.
+
+    Returns:
+        ``rows``: one dict per (depth, bin) with steps — ``depth``, ``bs_lo``, ``bs_hi``,
+        ``n``, ``real_ms`` (median traced), ``pred_ms`` (median predicted), ``ratio`` (median of
+        the per-step predicted / real); ``mape_pct`` over all those steps and ``mape_spec_pct``
+        over the k > 0 ones.
+    """
+    bs, depth, ctx, us = decode_step_arrays(steps)
+    pred = step_times_us(lp, bs, depth, ctx, np.zeros_like(bs))
+    ratio = pred / us
+    rows = []
+    for k in sorted({int(d) for d in depth}):
+        for lo, hi in bins:
+            m = (depth == k) & (bs >= lo) & (bs <= hi)
+            if not m.any():
+                continue
+            rows.append(
+                {
+                    "depth": k,
+                    "bs_lo": lo,
+                    "bs_hi": hi,
+                    "n": int(m.sum()),
+                    "real_ms": float(np.median(us[m]) / 1000.0),
+                    "pred_ms": float(np.median(pred[m]) / 1000.0),
+                    "ratio": float(np.median(ratio[m])),
+                }
+            )
+    err = np.abs(ratio - 1.0) * 100.0
+    spec = depth > 0
+    return {
+        "rows": rows,
+        "n": int(len(us)),
+        "mape_pct": float(err.mean()) if len(err) else float("nan"),
+        "mape_spec_pct": float(err[spec].mean()) if spec.any() else float("nan"),
+    }
