@@ -171,7 +171,9 @@ def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
     return step_times_us(lp, bs, depth, ctx, pf)
 
 
-def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool = False) -> LatencyParams:
+def fit_step_latency(
+    lp: LatencyParams, steps: list[Step], overheads_only: bool = False, verify_seq: bool = False
+) -> LatencyParams:
     """Fit one scale per cost class of pass terms and the per-step overheads to traced step times.
 
     The overheads are ``oh_us``, ``oh_spec_us`` (when the traces speculate), ``oh_req_us`` and,
@@ -181,6 +183,11 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool 
 
     ``overheads_only``: keep the pass terms as given — when a profile measured them — and fit
     only what a profile cannot see: the per-step overheads.
+
+    ``verify_seq``: also fit ``verify_seq_us``, the verify pass's own cost per request (SGLang's
+    triton backend verifies through the extend-attention kernel: a 128-row query tile per
+    request and head, whatever the depth). Off by default, so fits to traces that cannot
+    tell it from the per-token scales stay as they were.
     """
     from scipy.optimize import least_squares
 
@@ -194,6 +201,7 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool 
         ("oh_req_us", 1.0, True),
         ("v0_fix_us", 1000.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
         ("v0_seq_us", 10.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
+        ("verify_seq_us", 10.0, verify_seq and bool(np.any(depth > 0))),
     ]
     groups = list(_GROUPS.items())
     ng = len(groups)
