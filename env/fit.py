@@ -171,7 +171,9 @@ def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
     return step_times_us(lp, bs, depth, ctx, pf)
 
 
-def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool = False) -> LatencyParams:
+def fit_step_latency(
+    lp: LatencyParams, steps: list[Step], overheads_only: bool = False, verify_seq: bool = False
+) -> LatencyParams:
     """Fit one scale per cost class of pass terms and the per-step overheads to traced step times.
 
     The overheads are ``oh_us``, ``oh_spec_us`` (when the traces speculate), ``oh_req_us`` and,
@@ -181,6 +183,11 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool 
 
     ``overheads_only``: keep the pass terms as given — when a profile measured them — and fit
     only what a profile cannot see: the per-step overheads.
+
+    ``verify_seq``: also fit ``verify_seq_us``, the verify pass's own cost per request (SGLang's
+    triton backend verifies through the extend-attention kernel: a 128-row query tile per
+    request and head, whatever the depth). Off by default, so fits to traces that cannot
+    tell it from the per-token scales stay as they were.
     """
     from scipy.optimize import least_squares
 
@@ -194,6 +201,7 @@ def fit_step_latency(lp: LatencyParams, steps: list[Step], overheads_only: bool 
         ("oh_req_us", 1.0, True),
         ("v0_fix_us", 1000.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
         ("v0_seq_us", 10.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
+        ("verify_seq_us", 10.0, verify_seq and bool(np.any(depth > 0))),
     ]
     groups = list(_GROUPS.items())
     ng = len(groups)
@@ -447,3 +455,63 @@ def extrapolation_report(df) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+# --------------------------------------------------------------------------- against real traces
+
+DEFAULT_BS_BINS = ((1, 4), (5, 11), (12, 19), (20, 27), (28, 35), (36, 55), (56, 71))
+"""Batch-size bins of :func:`trace_step_table` (inclusive); the real H200 traces run C = 1, 4,
+16 and 64, so each C's steps (its ramp-up and drain spread them) fall in one or two bins."""
+
+
+def decode_step_arrays(steps: list[Step]) -> tuple[np.ndarray, ...]:
+    """``bs, depth, ctx, us`` of the prefill-free decode steps of ``steps`` (the first record
+    of each list measures more than one step and is left out)."""
+    bs, depth, ctx, pf, us = _step_arrays(steps)
+    keep = pf == 0
+    return bs[keep], depth[keep], ctx[keep], us[keep]
+
+
+def trace_step_table(
+    lp: LatencyParams, steps: list[Step], bins: tuple[tuple[int, int], ...] = DEFAULT_BS_BINS
+) -> dict[str, Any]:
+    """The latency model's step time against traced ``step_us``, per (depth, batch-size bin).
+
+    Only prefill-free decode steps (:func:`decode_step_arrays`): a prefill's cost is a term of
+    its own and its chunk sizes differ between runs. Medians (not means), because a record after
+    an idle gap or a host stall measures more than the step.
+
+    Returns:
+        ``rows``: one dict per (depth, bin) with steps — ``depth``, ``bs_lo``, ``bs_hi``,
+        ``n``, ``real_ms`` (median traced), ``pred_ms`` (median predicted), ``ratio`` (median of
+        the per-step predicted / real); ``mape_pct`` over all those steps and ``mape_spec_pct``
+        over the k > 0 ones.
+    """
+    bs, depth, ctx, us = decode_step_arrays(steps)
+    pred = step_times_us(lp, bs, depth, ctx, np.zeros_like(bs))
+    ratio = pred / us
+    rows = []
+    for k in sorted({int(d) for d in depth}):
+        for lo, hi in bins:
+            m = (depth == k) & (bs >= lo) & (bs <= hi)
+            if not m.any():
+                continue
+            rows.append(
+                {
+                    "depth": k,
+                    "bs_lo": lo,
+                    "bs_hi": hi,
+                    "n": int(m.sum()),
+                    "real_ms": float(np.median(us[m]) / 1000.0),
+                    "pred_ms": float(np.median(pred[m]) / 1000.0),
+                    "ratio": float(np.median(ratio[m])),
+                }
+            )
+    err = np.abs(ratio - 1.0) * 100.0
+    spec = depth > 0
+    return {
+        "rows": rows,
+        "n": int(len(us)),
+        "mape_pct": float(err.mean()) if len(err) else float("nan"),
+        "mape_spec_pct": float(err[spec].mean()) if spec.any() else float("nan"),
+    }

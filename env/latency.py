@@ -31,10 +31,19 @@ The draft head is the same kind of pass, ``d_layers`` of the target's layers wid
 One engine step at depth ``k`` (SGLang EAGLE-3, chain drafts, ``topk = 1``)::
 
     k > 0:  oh + oh_req·B + oh_spec + Σ_{i=1..k} draft(B, 1, C) [first with fc]
-            + target(B, k + 1, C) + draft(B, k + 1, C) [draft extend after verify]
-    k = 0, off_path "plain":   oh + oh_req·B + target(B, 1, C) + [off_extend]·draft(B, 1, C)
-    k = 0, off_path "verify":  oh + oh_req·B + oh_spec + target(B, 1, C) + v0_fix + v0_seq·B
-                               + draft(B, 1, C)
+            + target(B, k + 1, C) + ver·B + draft(B, k + 1, C) + ext·B [draft extend after verify]
+    k = 0, off_path "plain":   oh + oh_req·B + target(B, 1, C) + [off_extend]·(draft(B, 1, C) + ext·B)
+    k = 0, off_path "verify":  oh + oh_req·B + oh_spec + target(B, 1, C) + ver·B + v0_fix + v0_seq·B
+                               + draft(B, 1, C) + ext·B
+    ver = verify_seq_us,  ext = verify_seq_us · d_layers / layers
+
+``verify_seq_us`` is SGLang's own cost per request of a pass through its extend-attention
+kernel (the triton backend verifies that way: one 128-row query tile per request and query
+head, however few rows are real, looping over the request's prefix), on top of the profiled
+pass; the draft extends run the same kernel over the draft's ``d_layers``. Fitted to the real
+H200 server's k > 0 steps (about 145 µs per request at ~320 cached tokens per sequence); held
+constant in context, which the traces (one context length) cannot test. 0 (the profile's
+plain PyTorch passes, the seed deployment) leaves every step as before, bit for bit.
 
 ``off_path`` is how the deployment runs depth 0: ``"plain"`` is the off switch
 (``sglang_hook/off_switch.py``: the target's plain decode, the drafter's one-token extend kept
@@ -135,6 +144,7 @@ class LatencyParams:
     off_extend: bool = True
     v0_fix_us: float = 0.0
     v0_seq_us: float = 0.0
+    verify_seq_us: float = 0.0
     pf_attn_us_per_tok: float = 0.02
     pf_scale: float = 1.0
     jitter: float = 0.01
@@ -184,7 +194,7 @@ STEP_COEFFS = (
     "d_fix_us", "d_fc_us", "d_w_us", "d_f_us_per_tok", "d_tok_us_per_tok", "d_layers",
     "oh_us", "oh_spec_us", "oh_req_us",
     "off_verify", "off_extend", "v0_fix_us", "v0_seq_us",
-    "pf_attn_us_per_tok", "pf_scale",
+    "pf_attn_us_per_tok", "pf_scale", "verify_seq_us",
 )  # fmt: skip
 (
     I_T_FIX, I_W, I_F, I_P, I_TOK, I_LAYERS,
@@ -193,8 +203,8 @@ STEP_COEFFS = (
     I_D_FIX, I_D_FC, I_D_W, I_D_F, I_D_TOK, I_D_LAYERS,
     I_OH, I_OH_SPEC, I_OH_REQ,
     I_OFF_VERIFY, I_OFF_EXTEND, I_V0_FIX, I_V0_SEQ,
-    I_PF_ATTN, I_PF_SCALE,
-) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35)  # fmt: skip
+    I_PF_ATTN, I_PF_SCALE, I_VER_SEQ,
+) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36)  # fmt: skip
 I_SPLIT_Q = I_SPLIT + 4
 
 _COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
@@ -294,6 +304,13 @@ def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float) -> float:
     return t
 
 
+@maybe_njit
+def _extend_seq(c: np.ndarray, b: float) -> float:
+    """The draft extend's share of SGLang's per-request verify cost: the same extend-attention
+    tiles per request and head, over the draft's ``d_layers`` instead of the target's ``layers``."""
+    return c[I_VER_SEQ] * b * c[I_D_LAYERS] / c[I_LAYERS]
+
+
 # --------------------------------------------------------------------------- one engine step
 #
 # The step formula of the module docstring, written once: :func:`step_time_kernel` (plain Python
@@ -315,14 +332,15 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
         q = depth + 1.0
         t += c[I_OH_SPEC]
         t += depth * _draft_pass(c, b, 1.0, ctx_tokens, False) + c[I_D_FC]  # k draft steps, the first with fc
-        t += _target_pass(c, b, q, ctx_tokens)  # the verify pass
-        t += _draft_pass(c, b, q, ctx_tokens, False)  # draft extend over the verified tokens
+        t += _target_pass(c, b, q, ctx_tokens) + c[I_VER_SEQ] * b  # the verify pass, SGLang's per request
+        t += _draft_pass(c, b, q, ctx_tokens, False) + _extend_seq(c, b)  # draft extend over the verified tokens
     else:
         t += _target_pass(c, b, 1.0, ctx_tokens)
         if c[I_OFF_VERIFY] != 0.0:  # SGLang's own depth 0: a width-1 verify and the draft extend
-            t += c[I_OH_SPEC] + c[I_V0_FIX] + c[I_V0_SEQ] * b + _draft_pass(c, b, 1.0, ctx_tokens, False)
+            t += c[I_OH_SPEC] + c[I_VER_SEQ] * b + c[I_V0_FIX] + c[I_V0_SEQ] * b + _draft_pass(c, b, 1.0, ctx_tokens, False)
+            t += _extend_seq(c, b)
         elif c[I_OFF_EXTEND] != 0.0:  # the off switch, the drafter's one-token extend kept
-            t += _draft_pass(c, b, 1.0, ctx_tokens, False)
+            t += _draft_pass(c, b, 1.0, ctx_tokens, False) + _extend_seq(c, b)
     return float(t)
 
 

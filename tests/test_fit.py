@@ -228,13 +228,16 @@ def _composed_step_us(lp, bs: int, depth: int, ctx_tokens: float, prefill_tokens
     if depth > 0:
         t += lp.oh_spec_us + float(draft_us(lp, bs, 1, ctx_tokens, True))
         t += (depth - 1) * float(draft_us(lp, bs, 1, ctx_tokens, False))
-        t += float(target_us(lp, bs, depth + 1, ctx_tokens)) + float(draft_us(lp, bs, depth + 1, ctx_tokens))
+        ext = lp.verify_seq_us * bs * lp.d_layers / lp.layers  # the draft extend's share
+        t += float(target_us(lp, bs, depth + 1, ctx_tokens)) + lp.verify_seq_us * bs
+        t += float(draft_us(lp, bs, depth + 1, ctx_tokens)) + ext
     else:
         t += float(target_us(lp, bs, 1, ctx_tokens))
         if lp.off_path == "verify":
-            t += lp.oh_spec_us + lp.v0_fix_us + lp.v0_seq_us * bs + float(draft_us(lp, bs, 1, ctx_tokens))
+            t += lp.oh_spec_us + lp.verify_seq_us * bs + lp.v0_fix_us + lp.v0_seq_us * bs
+            t += float(draft_us(lp, bs, 1, ctx_tokens)) + lp.verify_seq_us * bs * lp.d_layers / lp.layers
         elif lp.off_extend:
-            t += float(draft_us(lp, bs, 1, ctx_tokens, False))
+            t += float(draft_us(lp, bs, 1, ctx_tokens, False)) + lp.verify_seq_us * bs * lp.d_layers / lp.layers
     return t
 
 
@@ -274,6 +277,7 @@ def test_the_coefficient_indices_name_step_coeffs():
         "I_D_LAYERS": "d_layers", "I_OH": "oh_us", "I_OH_SPEC": "oh_spec_us", "I_OH_REQ": "oh_req_us",
         "I_OFF_VERIFY": "off_verify", "I_OFF_EXTEND": "off_extend", "I_V0_FIX": "v0_fix_us",
         "I_V0_SEQ": "v0_seq_us", "I_PF_ATTN": "pf_attn_us_per_tok", "I_PF_SCALE": "pf_scale",
+        "I_VER_SEQ": "verify_seq_us",
     }  # fmt: skip
     for const, name in named.items():
         assert latency.STEP_COEFFS[getattr(latency, const)] == name, const

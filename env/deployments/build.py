@@ -1,13 +1,15 @@
 """Rebuild the bundled deployments: ``python -m env.deployments.build [--reference DIR]``.
 
 ``DIR`` holds ``h200_llama8b/latency.csv`` (by default ``env/profiles``, the shipped copy of
-the shared reference data's measurement; a ``../shared/reference`` folder works too). Every
+the shared reference data's measurement; a ``../shared/reference`` folder works too) and the
+real H200 traces ``env/example_traces/h200-real-*`` (shipped). Every
 number below is fitted to a file, read off a published figure, or derived from a shape by
 arithmetic that the JSON's ``notes`` spell out.
 
-- ``h200-llama8b``: the latency model fitted to the H200 profile (all rows), SGLang's per-step
-  overheads on top (assumed: the profile has no scheduler/sampling time), depth 0 as the off
-  switch; acceptance calibrated to the published Llama-3.1-8B + EAGLE-3 figures.
+- ``h200-llama8b``: the latency model's pass shapes fitted to the H200 profile (all rows), then
+  fitted to the real SGLang server (:func:`fit_to_server`: its traced k > 0 steps and the off
+  switch's depth-0 TPOT); depth 0 as the off switch; acceptance calibrated to the published
+  Llama-3.1-8B + EAGLE-3 figures.
 - ``h200-llama8b-longctx``: the same GPU and model serving 8k-32k-token prompts with the
   H200's whole KV pool, which binds (about 45 such requests fit).
 - ``h200-70b``: a Llama-3.1-70B-shaped target (FP8 weights, to fit one H200) whose GEMM and
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -97,13 +100,119 @@ def _verify0_from_ratios(lp: LatencyParams) -> LatencyParams:
     return replace(lp, v0_fix_us=round(max(float(fix), 0.0), 1), v0_seq_us=round(max(float(seq), 0.0), 2))
 
 
-def h200_latency(reference: Path) -> LatencyParams:
+# The real H200 server (SGLang 0.5.17, triton, EAGLE-3, an 8B-shaped target; recorded by the hook):
+# its speculative steps (k > 0) are what the deployment's k > 0 steps are fitted to.
+REAL_TRACES = tuple(_HERE.parent / "example_traces" / f"h200-real-{lvl}" for lvl in ("rand", "same", "noisy"))
+# The off switch at depth 0, the drafter's extend kept (triton, after the draft-extend width fix):
+# mean TPOT (ms) at C of bench/results/realgpu/offswitch/call2-triton.csv (static:0 rows of both
+# repetitions and the switch test's scripted-static:0 rows). Closed loop, prompt 256, output 128,
+# every request of a wave admitted together: a request's TPOT is the decode steps at batch C it
+# ran in (its wave's prefill is its TTFT); the same call's depth-3 TPOT (9.65 ms at C = 16,
+# 21.38 at 64) is within 2% of the traced prefill-free depth-3 step (9.62, 21.74), so TPOT is
+# read as the step time, at 256 + 64 cached tokens per sequence.
+OFFSWITCH_TPOT_MS = {1: 5.025, 4: 5.111, 16: 5.592, 64: 7.893, 128: 11.562}
+# Bytes of the 8B's weights over the probed copy bandwidth (4.24 TB/s): no pass reads them faster.
+W_FLOOR_US_8B = 15.01e9 / 4.24e12 * 1e6
+# FLOPs per token of the 8B (2 x 8.03e9) at the H200's dense bf16 peak (989 TFLOP/s): no token
+# is computed faster.
+F_FLOOR_US_8B = 2 * 8.03e9 / 989e12 * 1e6
+# The pass terms the fit to the server scales, one factor per class (the profile's shape kept
+# within a class). Not scaled: the per-cached-token terms (every traced step holds about 320
+# tokens per sequence, so the traces cannot tell them from the per-sequence ones; the profile's
+# KV rates stand) and prefill (its chunks are not in the fitted steps).
+SERVER_CLASSES = (
+    ("launch", ("t_fix_us", "split_fix_us", "mq_fix_us")),
+    ("weights", ("w_us",)),
+    ("per_token", ("f_us_per_tok", "tok_us_per_tok", "split_seq_us", "mq_seq_us")),
+    ("draft_fixed", ("d_fix_us", "d_fc_us", "d_w_us")),
+    ("draft_per_token", ("d_f_us_per_tok", "d_tok_us_per_tok")),
+)
+# Fitted in absolute terms (µs): the per-step overheads, SGLang's verify cost per request, and
+# the decode kernel's per-layer terms (the triton decode kernel, not the profile's).
+SERVER_TERMS = (
+    ("oh_us", 1000.0),
+    ("oh_spec_us", 1000.0),
+    ("oh_req_us", 10.0),
+    ("verify_seq_us", 100.0),
+    ("dec_fix_us", 10.0),
+    ("dec_seq_us", 1.0),
+)
+PLAIN_WEIGHT = 10.0  # each off-switch point against the ~4000 traced steps (log residuals)
+
+
+def server_steps(traces: tuple[Path, ...] = REAL_TRACES) -> tuple[np.ndarray, ...]:
+    """``bs, depth, ctx, us`` of the real traces' prefill-free speculative (k > 0) steps.
+
+    Their depth-0 steps ran SGLang's own depth 0 (a width-1 verify), not the off switch the
+    deployment runs, so they are left out (``bench/deployment_vs_traces.py`` shows them).
+    """
+    from env.fit import decode_step_arrays, load_steps
+
+    steps = [s for d in traces for v in load_steps(str(d)).values() for s in v]
+    bs, depth, ctx, us = decode_step_arrays(steps)
+    k = depth > 0
+    return bs[k], depth[k], ctx[k], us[k]
+
+
+def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_steps: int = 4000) -> LatencyParams:
+    """Fit the pass classes and the server terms to the real server, from the profile's shape.
+
+    One least squares on log step time (soft-L1, as ``env.fit.fit_step_latency``) over two sets:
+    the traced speculative steps (``n_steps`` of them, evenly spaced) and the off switch's depth-0
+    TPOT at C = 1..128 (:data:`OFFSWITCH_TPOT_MS`, each weighted :data:`PLAIN_WEIGHT`). The k > 0
+    steps alone cannot split the constant per step between the passes every step runs and the
+    speculative overhead; the plain points can. ``w_us`` is held at or above
+    :data:`W_FLOOR_US_8B`, ``f_us_per_tok`` at or above :data:`F_FLOOR_US_8B`. The result keeps ``lp``'s depth-0 path (the off switch, extend kept).
+    """
+    from scipy.optimize import least_squares
+
+    from env.latency import step_times_us
+
+    bs, depth, ctx, us = server_steps(traces)
+    idx = np.linspace(0, len(us) - 1, min(n_steps, len(us))).astype(int)
+    bs, depth, ctx, us = bs[idx], depth[idx], ctx[idx], us[idx]
+    pc = np.array(sorted(OFFSWITCH_TPOT_MS), dtype=float)
+    pus = np.array([OFFSWITCH_TPOT_MS[int(c)] for c in pc]) * 1000.0
+    pz = np.zeros_like(pc)
+    lp = replace(lp, off_path="plain", off_extend=True)
+    ng = len(SERVER_CLASSES)
+
+    def make(z: np.ndarray) -> LatencyParams:
+        changes: dict[str, Any] = {}
+        for (_, names), lz in zip(SERVER_CLASSES, z[:ng]):
+            for n in names:
+                changes[n] = getattr(lp, n) * float(np.exp(lz))
+        for (n, unit), v in zip(SERVER_TERMS, z[ng:]):
+            changes[n] = float(v * unit)
+        return replace(lp, **changes)
+
+    def resid(z: np.ndarray) -> np.ndarray:
+        m = make(z)
+        spec = np.log(np.maximum(step_times_us(m, bs, depth, ctx, np.zeros_like(bs)), 1.0) / us)
+        plain = np.log(np.maximum(step_times_us(m, pc, pz, pc * OFFSWITCH_CTX_PER_SEQ, pz), 1.0) / pus)
+        return np.clip(np.concatenate([spec, PLAIN_WEIGHT * plain]), -20.0, 20.0)
+
+    z0 = np.concatenate([np.zeros(ng), [0.3, 1.0, 0.2, 1.0, lp.dec_fix_us / 10.0, 0.0]])
+    lo = np.concatenate([np.full(ng, -5.0), np.zeros(len(SERVER_TERMS))])
+    hi = np.concatenate([np.full(ng, 5.0), np.full(len(SERVER_TERMS), 1e4)])
+    lo[1] = np.log(W_FLOOR_US_8B / lp.w_us)
+    lo[2] = np.log(F_FLOOR_US_8B / lp.f_us_per_tok)
+    z0 = np.clip(z0, lo, hi)
+    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=200, x_scale="jac")
+    out = make(sol.x)
+    rounded: dict[str, Any] = {n: round(float(getattr(out, n)), 4) for n, _ in SERVER_TERMS}
+    return replace(out, **rounded)
+
+
+def h200_latency(reference: Path, traces: tuple[Path, ...] = REAL_TRACES) -> LatencyParams:
+    """The profile's pass shapes, fitted to the real server (:func:`fit_to_server`); SGLang's own
+    depth 0 (``off_path`` verify) from the off switch's throughput ratios."""
     df = read_profile(str(reference / "h200_llama8b" / "latency.csv"))
     base = LatencyParams(
         oh_us=300.0, oh_spec_us=1000.0, oh_req_us=2.0, off_path="plain", off_extend=True, jitter=0.01
     )
     lp, _ = fit_profile(df, base)
-    return _verify0_from_ratios(lp)
+    return _verify0_from_ratios(fit_to_server(lp, traces))
 
 
 def _h200_engine(instance: str, budget: int, running: int = 256) -> EngineParams:
@@ -119,11 +228,19 @@ def _h200_engine(instance: str, budget: int, running: int = 256) -> EngineParams
 
 
 _H200_NOTES = (
-    "Latency fitted to reference/h200_llama8b/latency.csv (plain PyTorch, CUDA graphs; attention per kernel "
-    "with a first-wave/later-wave KV rate, wave_seqs = 132 SMs / 8 KV heads) plus SGLang overheads (oh_us, "
-    "oh_spec_us, oh_req_us: assumed, not measured). Depth 0 = the off switch (off_path plain, the drafter's "
+    "Latency: the pass shapes of reference/h200_llama8b/latency.csv (plain PyTorch, CUDA graphs; attention per "
+    "kernel with a first-wave/later-wave KV rate, wave_seqs = 132 SMs / 8 KV heads), fitted to the real server "
+    "(SGLang 0.5.17, triton, EAGLE-3, an 8B-shaped target on one H200): one scale per pass class (launches, "
+    "weight read held at or above 15 GB / 4.24 TB/s, per token with the GEMM at or below the 989 TFLOP/s peak, draft fixed, draft per token), the overheads "
+    "oh_us, oh_spec_us, oh_req_us, SGLang's verify cost per request verify_seq_us and the decode kernel's "
+    "dec_fix_us/dec_seq_us, by one least squares over the prefill-free k > 0 steps of "
+    "env/example_traces/h200-real-{rand,same,noisy} and the off switch's depth-0 TPOT at C = 1/4/16/64/128 "
+    "(5.03/5.11/5.59/7.89/11.56 ms, bench/results/realgpu/offswitch call 2, read as the step time at batch C). "
+    "The per-cached-token terms stay the profile's (every traced step holds ~320 tokens per sequence); "
+    "verify_seq_us is measured at that context only. Depth 0 = the off switch (off_path plain, the drafter's "
     "extend kept); v0_fix_us/v0_seq_us (SGLang's own depth 0, off_path verify) solved so that path runs at "
     "0.72/0.71/0.59/0.41/0.40 x a plain server at C = 1/4/16/64/128 (bench/results/realgpu/offswitch, call 1). "
+    "Prefill: the profile's terms, not fitted to the server. "
     "KV: 128 KB/token target, the drafter's 4 KB/token and 1.04 GB of weights carried (spec_kv_budget_tokens). "
     "Acceptance: the published Llama-3.1-8B + EAGLE-3 MT-Bench conditionals 0.73/0.71/0.68, code_shift for "
     "3.45 tokens at k = 7 (code/math), falling with context to 2.30 tokens at 2k and 1.08 at 20k (k = 3) "
@@ -174,6 +291,9 @@ def build_h200_longctx(reference: Path, h200: SimParams | None = None) -> SimPar
             "budget binds before the 256-request limit. At these lengths attention dominates the step and "
             "acceptance falls with context (the h200-llama8b acceptance model: 2.30 tokens at 2k, 1.08 at 20k). "
             "Latency past 4096 tokens per sequence is the fitted model's extrapolation (linear in context); "
+            "SGLang's verify cost per request (verify_seq_us) was measured at ~320 tokens per sequence and is "
+            "held constant: triton's extend kernel reads the prefix serially per request, so at 16k it is likely "
+            "larger (under-priced speculation cost, not measured); "
             "prefill attention is linear in the prompt (pf_attn_us_per_tok), so 16k-token prefills are "
             "under-priced by their quadratic attention (about 0.1 s per 16k prompt on this GPU)."
         ),
@@ -210,6 +330,8 @@ def build_h200_70b(reference: Path, h200: SimParams | None = None) -> SimParams:
         d_f_us_per_tok=lp.d_f_us_per_tok * DRAFT_SCALE_70B,
         d_fc_us=lp.d_fc_us * 4.0,  # the fc is 4x the 8B's (8192^2 vs 4096^2 per input)
         d_tok_us_per_tok=lp.d_tok_us_per_tok * 2.0,
+        # SGLang's verify runs a query tile per (request, query head, layer): 64 heads x 80 layers.
+        verify_seq_us=lp.verify_seq_us * layer_ratio * 64 / 32,
         rel_se=lp.rel_se,
     )
     # KV pool: 141 GB x 0.9 - 70.6 GB of FP8 weights - ~5 GB activations/graphs = 51 GB of 320 KB.
@@ -233,7 +355,8 @@ def build_h200_70b(reference: Path, h200: SimParams | None = None) -> SimParams:
             "roofline scaling, not measured: w_us x weight bytes (70.6/15.0 GB), f_us_per_tok x FLOPs per "
             "token (8.8x) / 2 (FP8 at twice the bf16 rate, the 8B's achieved fraction kept), tok_us_per_tok x "
             "layers x hidden (5x), t_fix_us x layers (2.5x), attention per layer unchanged (the same 8 KV "
-            "heads of 128: 4 KB per token per layer) over 80 layers; draft terms x its bytes (3.1x), fc x 4. "
+            "heads of 128: 4 KB per token per layer) over 80 layers; draft terms x its bytes (3.1x), fc x 4; "
+            "SGLang's verify cost per request x query heads x layers (5x). "
             f"Decode turns compute-bound near {lat.w_us / lat.f_us_per_tok:.0f} tokens per pass (8B: "
             f"{lp.w_us / lp.f_us_per_tok:.0f}). KV pool 141 GB x 0.9 - 70.6 - ~5 GB = "
             f"51 GB = {budget} tokens of 320 KB, less the drafter's memory. Overheads, depth-0 paths and "
