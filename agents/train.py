@@ -94,6 +94,9 @@ class TrainConfig:
         save_warm_start: also save the policy before PPO as ``warmstart.zip`` (ablation).
         reward: ``"regret"`` (module docstring) or ``"extra-tokens"`` (SpecDecode-v0's own:
             tokens over what no speculation would have emitted in the same time; ablation).
+        objective: ``throughput`` or ``slo:TPOT_MS`` (:mod:`controller.objective`): what the
+            ``objective`` reward counts (every token, or only the tokens of requests on their
+            TPOT target; :class:`RegretReward`), stored in the zip for eval and serve.
         progress: show a progress bar.
     """
 
@@ -127,6 +130,7 @@ class TrainConfig:
     bc_time_weighted: bool = True
     model_features: bool = True
     bc_expert: float = 0.0
+    objective: str = "throughput"
     progress: bool = True
 
     @classmethod
@@ -147,6 +151,7 @@ class TrainConfig:
             ("gamma", "gamma"),
             ("reward", "reward"),
             ("drafter_mix", "drafter_mix"),
+            ("objective", "objective"),
         ):
             value = getattr(args, flag, None)
             if value is not None:
@@ -157,6 +162,11 @@ class TrainConfig:
             cfg = replace(cfg, n_envs=args.n_envs)
         if not 0.0 <= cfg.drafter_mix <= 1.0:
             raise ConfigError(f"--drafter-mix must be in [0, 1], got {cfg.drafter_mix}")
+        from controller.objective import parse_objective
+
+        cfg = replace(cfg, objective=str(parse_objective(cfg.objective)))
+        if cfg.objective != "throughput" and cfg.reward != "objective":
+            raise ConfigError(f"--objective {cfg.objective} needs --reward objective, got --reward {cfg.reward}")
         if not cfg.out.name.endswith(".zip"):
             raise ConfigError(f"--out must name a .zip file, got {str(cfg.out)!r}")
         return cfg
@@ -312,6 +322,19 @@ def _tokens_and_times(engine: Any, depths: tuple[int, ...]) -> tuple[np.ndarray,
     return tokens, times
 
 
+def on_target_tokens(engine: Any, depths: tuple[int, ...], times_us: np.ndarray, tpot_ms: float) -> np.ndarray:
+    """Per depth, the true expected tokens of the next step from the requests for which that
+    step is on the TPOT target: time per token ``T_d / e_i(d) ≤ tpot_ms`` (``e_i``: request
+    i's expected tokens at depth d). The per-step stand-in for a request-level target: a
+    request every step of which is on target meets it."""
+    budget_us = tpot_ms * 1000.0
+    out = np.zeros(len(depths))
+    for i, (d, t_us) in enumerate(zip(depths, times_us)):
+        e = engine.expected_tokens_each(d)
+        out[i] = float(e[t_us <= budget_us * e].sum())
+    return out
+
+
 REWARDS = ("objective", "regret", "extra-tokens")
 
 
@@ -332,6 +355,13 @@ class RegretReward(gym.Wrapper):
       (stale drafter, batches that drain faster or grow, queues) is paid for later: trained
       with γ > 0. Closed loop: maximises throughput; open loop (arrivals fixed): minimises
       request-seconds, i.e. token-weighted TPOT.
+
+      With ``objective="slo:TPOT_MS"`` the same form counts only on-target tokens
+      (:func:`on_target_tokens`: tokens of the requests whose time per token in this step is
+      within the target), and ``ρ̄`` tracks the best on-target rate (floored at 5% of the best
+      throughput rate, so a target no depth meets prices time rather than dividing by zero).
+      Summed over an episode: on-target tokens − ρ̄ × request-seconds, the Dinkelbach form of
+      goodput under the SLO. ``info["rates"]`` are then on-target rates too.
     - ``regret``: ``rate_d / max_k rate_k`` at the decision, immediate (γ = 0; the earlier
       method).
     - ``extra-tokens``: SpecDecode-v0's own reward (an ablation).
@@ -340,16 +370,24 @@ class RegretReward(gym.Wrapper):
         env: a ``SpecDecode-v0`` environment (its engine gives the true values).
         reward: one of :data:`REWARDS`.
         use_env_reward: deprecated spelling of ``reward="extra-tokens"``.
+        objective: ``throughput`` or ``slo:TPOT_MS`` (:mod:`controller.objective`).
     """
 
     RHO_ALPHA = 1.0 / 256.0
     W_ALPHA = 1.0 / 64.0
 
-    def __init__(self, env: gym.Env, use_env_reward: bool = False, reward: str = "regret") -> None:
+    RHO_FLOOR = 0.05
+
+    def __init__(
+        self, env: gym.Env, use_env_reward: bool = False, reward: str = "regret", objective: str = "throughput"
+    ) -> None:
         super().__init__(env)
+        from controller.objective import parse_objective
+
         self.reward_kind = "extra-tokens" if use_env_reward else reward
         if self.reward_kind not in REWARDS:
             raise ConfigError(f"reward must be one of {', '.join(REWARDS)}, got {reward!r}")
+        self.objective = parse_objective(objective)
         sim: Any = env.unwrapped
         self._sim = sim
         self.depths: tuple[int, ...] = tuple(sim.depths)
@@ -359,18 +397,24 @@ class RegretReward(gym.Wrapper):
         self._n = 0
         self._rho = 0.0
         self._w = 0.0
+        self._floor = 0.0
 
     def _observe(self, info: dict[str, Any]) -> None:
         eng = self._sim.engine
         self._tokens, self._times = _tokens_and_times(eng, self.depths)
         self._n = n = int(eng.n)
-        self._rates = np.where(self._times > 0, self._tokens / np.maximum(self._times, 1e-9) * 1e6, 0.0)
+        inv_s = np.where(self._times > 0, 1e6 / np.maximum(self._times, 1e-9), 0.0)
+        self._floor = 0.0
+        if self.objective.tpot_ms is not None:
+            self._floor = self.RHO_FLOOR * float((self._tokens * inv_s).max()) / max(n, 1)
+            self._tokens = on_target_tokens(eng, self.depths, self._times, self.objective.tpot_ms)
+        self._rates = self._tokens * inv_s
         info["rates"] = self._rates
         best = int(np.argmax(self._rates))
         req_time = n * self._times[best]
         if n > 0 and self._w <= 0.0:
             self._w = req_time
-            self._rho = self._rates[best] / n
+            self._rho = max(self._rates[best] / n, self._floor)
         info["weight"] = req_time / self._w if self._w > 0 else 0.0
 
     def reset(self, **kwargs: Any):
@@ -386,7 +430,8 @@ class RegretReward(gym.Wrapper):
         if self.reward_kind == "objective":
             if n > 0 and self._w > 0:
                 cost = n * self._times[a] * 1e-6  # request-seconds
-                reward = float((self._tokens[a] - self._rho * cost) / (self._rho * self._w * 1e-6))
+                rho = max(self._rho, self._floor)
+                reward = float((self._tokens[a] - rho * cost) / (rho * self._w * 1e-6))
                 self._rho += self.RHO_ALPHA * (best / n - self._rho)
                 self._w += self.W_ALPHA * (n * self._times[int(np.argmax(rates))] - self._w)
             else:
@@ -454,7 +499,7 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig, table: np.ndar
         episode_steps=cfg.episode_steps,
     )
     wrapped: gym.Env = ModelFeatures(env, table) if table is not None else env
-    return RegretReward(wrapped, reward=cfg.reward)
+    return RegretReward(wrapped, reward=cfg.reward, objective=cfg.objective)
 
 
 # --------------------------------------------------------------------------- warm start
@@ -660,9 +705,10 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         "sim": params.name,
         "source": source,
         "reward": cfg.reward,
+        "objective": cfg.objective,
         "warm_start_rounds": cfg.bc_rounds,
     }
-    meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra, model_table=table)
+    meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra, model_table=table, objective=cfg.objective)
     if cfg.bc_rounds > 0:
         bc_envs = [make_env(params, workloads, cfg, table) for _ in range(4)]
         bc_history = warm_start(model, bc_envs, cfg, rng, log)
@@ -713,6 +759,7 @@ def _report(
         f"- domain randomization ×{cfg.randomize} of the fit's standard errors; drafter of random quality in "
         f"{cfg.drafter_mix:.0%} of episodes; {cfg.n_workloads} workloads; "
         f"action delay {cfg.delay[0]}–{cfg.delay[1]} steps",
+        f"- objective: {cfg.objective}",
         f"- wall time {wall:.0f} s (warm start {t_bc:.0f} s, PPO {wall - t_bc:.0f} s for {cfg.timesteps} steps)",
         "",
         {
