@@ -90,6 +90,12 @@ class TrainConfig:
         model_features: give the policy the fitted latency model as input features
             (``controller.ppo_policy.model_features``; the zip carries the table).
         bc_time_weighted: weigh cloned states by their share of request-time.
+        bc_probe_staleness: the realistic expert's probe (:class:`ProbeRule`): draft at
+            ``bc_probe_depth`` once ``spec_staleness`` reaches this (0.9: about 115 steps
+            without drafting; 0 = no probe), and keep drafting there while the estimate is
+            rising (``accept_trend`` > 0) and within ``bc_probe_keep`` of depth 0's goodput.
+        bc_probe_depth: the depth a probe drafts at.
+        bc_probe_keep: goodput ratio (to depth 0) above which a rising probe continues.
         bc_epochs: passes over the aggregated states per round.
         save_warm_start: also save the policy before PPO as ``warmstart.zip`` (ablation).
         reward: ``"regret"`` (module docstring) or ``"extra-tokens"`` (SpecDecode-v0's own:
@@ -130,6 +136,9 @@ class TrainConfig:
     bc_time_weighted: bool = True
     model_features: bool = True
     bc_expert: float = 0.0
+    bc_probe_staleness: float = 0.9
+    bc_probe_depth: int = 2
+    bc_probe_keep: float = 0.85
     objective: str = "throughput"
     progress: bool = True
 
@@ -512,6 +521,66 @@ def _estimated_rel(obs: np.ndarray, n_act: int) -> np.ndarray:
     return np.exp(g - g.max())
 
 
+@dataclass(frozen=True)
+class ProbeRule:
+    """The realistic expert's exploration, a rule on the observation alone (so the MLP can
+    learn it): at depth 0 the acceptance estimate returns to its prior, and where drafting
+    pays only for a good drafter (the ``seed`` deployment: depth 1 costs 1.9× a plain step)
+    the argmax of the model's goodput never drafts again, and never sees the drafter turn
+    good. So once ``spec_staleness`` reaches ``staleness`` the expert drafts at ``action``;
+    one step moves the estimate too little to switch (a weak prior of 2 request-positions),
+    so while the last step ran at that depth, the accepted fraction is rising and the
+    estimated goodput there is within ``keep`` of depth 0's, it drafts again. A drafter that
+    stays bad ends the probe within a few steps (the trend turns down)."""
+
+    stale_idx: int
+    trend_idx: int
+    onehot_idx: int
+    action: int
+    staleness: float
+    keep: float
+
+    @classmethod
+    def for_config(cls, cfg: TrainConfig) -> ProbeRule | None:
+        if cfg.bc_probe_staleness <= 0:
+            return None
+        from controller.features import Featurizer
+
+        if cfg.bc_probe_depth not in cfg.depths[1:]:
+            raise ConfigError(f"bc_probe_depth {cfg.bc_probe_depth} is not a drafting depth of {list(cfg.depths)}")
+        names = Featurizer(cfg.depths).feature_names
+        return cls(
+            names.index("spec_staleness"),
+            names.index("accept_trend"),
+            names.index(f"depth={cfg.bc_probe_depth}"),
+            cfg.depths.index(cfg.bc_probe_depth),
+            cfg.bc_probe_staleness,
+            cfg.bc_probe_keep,
+        )
+
+    def probes(self, obs: np.ndarray, rel: np.ndarray) -> bool:
+        """Whether the expert probes in this state (``rel``: its relative goodput per depth)."""
+        if int(np.argmax(rel)) != 0:
+            return False
+        if obs[self.stale_idx] >= self.staleness:
+            return True
+        return bool(obs[self.onehot_idx] > 0.5 and obs[self.trend_idx] > 0 and rel[self.action] >= self.keep * rel[0])
+
+    def labels(self, obs: np.ndarray, rel: np.ndarray) -> np.ndarray:
+        """``rel`` with the probe depth made the clear best where the expert probes."""
+        if not self.probes(obs, rel):
+            return rel
+        out = rel * 0.97
+        out[self.action] = 1.0
+        return out
+
+
+def _expert_rel(obs: np.ndarray, n_act: int, probe: ProbeRule | None) -> np.ndarray:
+    """The realistic expert's relative rates: the model's goodput, with its probe."""
+    rel = _estimated_rel(obs, n_act)
+    return rel if probe is None else probe.labels(obs, rel)
+
+
 def _collect(
     envs: list[Any], n_states: int, act_fn, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -599,6 +668,7 @@ def warm_start(
 ) -> list[dict[str, float]]:
     """DAgger rounds of regret-weighted cloning of the oracle into ``model``'s actor."""
     n_act = len(cfg.depths)
+    probe = ProbeRule.for_config(cfg)
     history: list[dict[str, float]] = []
     obs_all: list[np.ndarray] = []
     rel_all: list[np.ndarray] = []
@@ -614,7 +684,7 @@ def warm_start(
                 if rng.random() < 0.3:
                     return int(rng.integers(n_act))
                 if cfg.bc_expert < 1.0 and rng.random() >= cfg.bc_expert:
-                    return int(np.argmax(_estimated_rel(obs, n_act)))
+                    return int(np.argmax(_expert_rel(obs, n_act, probe)))
                 return int(np.argmax(rates))
             if rng.random() < 0.1:
                 return int(rng.integers(n_act))
@@ -625,7 +695,7 @@ def warm_start(
         if cfg.bc_expert < 1.0:
             if not cfg.model_features:
                 raise ConfigError("bc_expert < 1 needs model_features (the realistic expert reads them)")
-            est = np.stack([_estimated_rel(o, n_act) for o in obs]).astype(np.float32)
+            est = np.stack([_expert_rel(o, n_act, probe) for o in obs]).astype(np.float32)
             rel = cfg.bc_expert * rel + (1.0 - cfg.bc_expert) * est
         obs_all.append(obs)
         rel_all.append(rel)
