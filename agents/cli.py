@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="training reward (default objective: tokens per request-second over time, γ > 0)",
     )
     t.add_argument("--objective", default=None, metavar="OBJECTIVE", help=OBJECTIVE_HELP + "; stored in the zip")
-    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.9)")
+    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.98)")
     t.add_argument(
         "--drafter-mix",
         type=float,
