@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from controller.errors import ConfigError
+from controller.objective import OBJECTIVE_HELP
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -43,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         help="training reward (default objective: tokens per request-second over time, γ > 0)",
     )
-    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.9)")
+    t.add_argument("--objective", default=None, metavar="OBJECTIVE", help=OBJECTIVE_HELP + "; stored in the zip")
+    t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.98)")
     t.add_argument(
         "--drafter-mix",
         type=float,
@@ -85,6 +87,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         help="run each seed on a world drawn around the fit at this × its standard errors "
         "(default 0; suites set their own)",
+    )
+    e.add_argument(
+        "--objective",
+        default=None,
+        metavar="OBJECTIVE",
+        help="score every policy by this objective: 'throughput' or 'slo:TPOT_MS' (goodput: tokens/s of "
+        "the completed requests whose TPOT is at most TPOT_MS ms). Default: the first PPO zip's "
+        "objective (controller train --objective), else throughput",
     )
     e.add_argument(
         "--only", default=None, help="with --suite: run the scenarios whose name contains one of these"

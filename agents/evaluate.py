@@ -11,6 +11,11 @@ Workloads (the default suite; ``--concurrency`` and ``--scale`` change its size)
   code-like traffic (closed-loop and open-loop bases). Score: as the base (closed loop:
   throughput; open loop: 1000 / mean TPOT).
 
+Objective (``--objective``, by default the first PPO zip's, else throughput): under
+``slo:TPOT_MS`` every workload's score is goodput under the TPOT target instead
+(:func:`slo_goodput_tok_s`: tokens/s of the completed requests whose TPOT is at most the
+target).
+
 Every (workload, policy) runs on the same seeds 0…n−1, so policies see the same arrivals,
 lengths and acceptance draws (common random numbers).
 
@@ -19,17 +24,17 @@ lengths and acceptance draws (common random numbers).
     {
       "schema": 1,
       "config": {...resolved EvalConfig...},
-      "sim": "<name>", "depths": [0, 1, 2, 3, 5], "seeds": [0, 1, 2, 3, 4],
+      "sim": "<name>", "objective": "throughput" | "slo:TPOT_MS", "depths": [0, 1, 2, 3, 5], "seeds": [0, 1, 2, 3, 4],
       "workloads": {
         "<spec>": {
           "family": "closed" | "poisson" | "nonstationary",
           "x": <C, or load fraction, or null>,
-          "score_metric": "throughput_tok_s" | "per_request_tok_s",
+          "score_metric": "throughput_tok_s" | "per_request_tok_s" | "slo_goodput_tok_s",
           "policies": {
             "<policy>": {
               "<metric>": {"mean": float, "ci95": [lo, hi], "values": [one per seed]},
               ...   # throughput_tok_s, tpot_ms_mean, tpot_ms_p99, per_request_tok_s,
-                    # mean_depth, score
+                    # mean_depth, score (+ slo_goodput_tok_s under an SLO objective)
             }
           }
         }
@@ -57,6 +62,7 @@ import numpy as np
 from agents.report import ci95
 from controller.baselines import BASELINES
 from controller.errors import ConfigError
+from controller.objective import parse_objective
 from controller.policy import Policy
 from controller.protocol import DEFAULT_DEPTHS
 from controller.registry import make_factory
@@ -101,6 +107,7 @@ class EvalConfig:
     suite: str | None = None
     perturb: float = 0.0
     only: tuple[str, ...] = ()
+    objective: str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before any simulation: a bad value must not surface hours (or a progress
@@ -115,6 +122,10 @@ class EvalConfig:
             raise ConfigError(f"--jobs must be >= 1, got {self.jobs}")
         if self.depths is not None and (not self.depths or self.depths[0] < 0):
             raise ConfigError(f"--depths must be non-negative, got {list(self.depths)}")
+        if self.objective is not None:
+            from controller.objective import parse_objective
+
+            parse_objective(self.objective)
         if not (self.perturb >= 0 and math.isfinite(self.perturb)):
             raise ConfigError(f"--perturb must be >= 0, got {self.perturb}")
         if self.suite is not None:
@@ -148,6 +159,7 @@ class EvalConfig:
             suite=getattr(args, "suite", None),
             perturb=getattr(args, "perturb", None) or 0.0,
             only=tuple(x for x in (getattr(args, "only", None) or "").split(",") if x),
+            objective=getattr(args, "objective", None),
         )
 
 
@@ -192,6 +204,7 @@ class _Job:
     depths: tuple[int, ...]
     seed: int
     keep_trace: bool = False
+    objective: str = "throughput"
     result: dict[str, Any] = field(default_factory=dict)
 
 
@@ -278,6 +291,8 @@ def run_job(job: _Job) -> _Job:
         "tpot_ms_p99": float(res.tpot_ms_p99),
     }
     out["per_request_tok_s"] = 1000.0 / out["tpot_ms_mean"] if out["tpot_ms_mean"] > 0 else 0.0
+    if job.objective != "throughput":
+        out[SLO_METRIC] = slo_goodput_tok_s(res.completed, res.duration_s, parse_objective(job.objective))
     depths_run, bs, t_s = _trace_arrays(res)
     out["mean_depth"] = float(np.mean(depths_run)) if len(depths_run) else 0.0
     if job.keep_trace and len(depths_run):
@@ -289,6 +304,40 @@ def run_job(job: _Job) -> _Job:
         }
     job.result = out
     return job
+
+
+SLO_METRIC = "slo_goodput_tok_s"
+
+
+def slo_goodput_tok_s(completed: Any, duration_s: float, objective: Any) -> float:
+    """Goodput under the objective's TPOT target: output tokens of the completed requests whose
+    TPOT is at most the target (a one-token request always is), per simulated second.
+
+    Requests still running when the run stops count nothing, for every policy alike."""
+    if duration_s <= 0:
+        return 0.0
+    return float(sum(r.output_tokens for r in completed if objective.meets(r.tpot_ms))) / duration_s
+
+
+def resolve_objective(cfg: EvalConfig, zip_paths: list[str]) -> str:
+    """The objective the eval scores by: ``--objective``, else the first existing PPO zip's
+    (``specdepth.json``), else throughput. A zip trained for another objective than the one
+    scored by gets a warning (scoring a policy by an objective it was not trained for is an
+    experiment, not a mistake)."""
+    import warnings
+
+    from controller.errors import ControllerWarning
+    from controller.ppo_policy import read_ppo_zip
+
+    trained = [(p, read_ppo_zip(p)[0].objective) for p in dict.fromkeys(zip_paths) if Path(p).exists()]
+    if cfg.objective is not None:
+        chosen = str(parse_objective(cfg.objective))
+    else:
+        chosen = trained[0][1] if trained else "throughput"
+    for path, obj in trained:
+        if str(parse_objective(obj)) != chosen:
+            warnings.warn(f"{path} was trained for objective {obj}, scored by {chosen}", ControllerWarning, stacklevel=2)
+    return chosen
 
 
 def _trace_arrays(res: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -372,6 +421,7 @@ def evaluate(cfg: EvalConfig) -> Path:
     policies = _policy_list(cfg, depths)
     for _, spec in policies:  # fail before hours of simulation, not after
         _build_policy(spec, depths, params)
+    objective = resolve_objective(cfg, zips)
     cfg.out.mkdir(parents=True, exist_ok=True)
     sim_json = json.dumps(params.to_dict())
     t0 = time.perf_counter()
@@ -403,13 +453,14 @@ def evaluate(cfg: EvalConfig) -> Path:
             depths,
             seed,
             keep_trace=(seed == 0 and w.spec == trace_wl and name in cfg.trace_policies),
+            objective=objective,
         )
         for w in suite
         for name, spec in policies
         for seed in range(cfg.seeds)
     ]
     done = _run_all(jobs, cfg.jobs)
-    results = _collect(cfg, params, depths, suite, policies, done)
+    results = _collect(cfg, params, depths, suite, policies, done, objective)
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     results["capacity_req_s"] = capacity
     from agents.report import write_eval_outputs
@@ -442,13 +493,15 @@ def _collect(
     suite: list[Workload],
     policies: list[tuple[str, str]],
     done: list[_Job],
+    objective: str = "throughput",
 ) -> dict[str, Any]:
-    workloads, traces = collect_workloads(suite, {w.name: policies for w in suite}, done)
+    workloads, traces = collect_workloads(suite, {w.name: policies for w in suite}, done, objective)
     cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     return {
         "schema": 1,
         "config": cfg_dict,
         "sim": params.name,
+        "objective": objective,
         "depths": list(depths),
         "seeds": list(range(cfg.seeds)),
         "workloads": workloads,
@@ -465,17 +518,21 @@ def headroom(policies: dict[str, Any]) -> float | None:
 
 
 def collect_workloads(
-    suite: list[Workload], policies: dict[str, list[tuple[str, str]]], done: list[_Job]
+    suite: list[Workload],
+    policies: dict[str, list[tuple[str, str]]],
+    done: list[_Job],
+    objective: str = "throughput",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """results.json's ``workloads`` (and plotted traces) from finished jobs; ``policies`` lists
-    each workload's (display name, spec)."""
+    each workload's (display name, spec). Under an SLO objective every workload's score is
+    goodput under the TPOT target (:func:`slo_goodput_tok_s`)."""
     by: dict[tuple[str, str], list[_Job]] = {}
     for j in done:
         by.setdefault((j.workload.name, j.policy), []).append(j)
     workloads: dict[str, Any] = {}
     traces: dict[str, Any] = {}
     for w in suite:
-        metric = _score_metric(w)
+        metric = _score_metric(w) if objective == "throughput" else SLO_METRIC
         entry: dict[str, Any] = {
             "family": w.family,
             "x": w.x,
@@ -492,7 +549,8 @@ def collect_workloads(
         for name, _ in policies[w.name]:
             runs = sorted(by[(w.name, name)], key=lambda j: j.seed)
             stats: dict[str, Any] = {}
-            for key in ("throughput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "per_request_tok_s", "mean_depth"):
+            keys = ["throughput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "per_request_tok_s", "mean_depth"]
+            for key in keys + ([SLO_METRIC] if objective != "throughput" else []):
                 vals = [r.result[key] for r in runs]
                 m, lo, hi = ci95(vals)
                 stats[key] = {"mean": m, "ci95": [lo, hi], "values": vals}
@@ -553,6 +611,9 @@ def evaluate_suite(cfg: EvalConfig) -> Path:
                 depths = read_ppo_zip(path)[0].depths
                 break
     base = _policy_list(replace(cfg, policies=()), depths)
+    objective = resolve_objective(
+        cfg, [_resolve_zip(z, sc.deployment) for z in zips for sc, _ in runnable]
+    )
     cfg.out.mkdir(parents=True, exist_ok=True)
     workloads: list[Workload] = []
     per_workload: dict[str, list[tuple[str, str]]] = {}
@@ -598,12 +659,12 @@ def evaluate_suite(cfg: EvalConfig) -> Path:
         keep = sc.name == "llama8b/longmix-wave"
         jobs += [
             _Job(sim_json, w, name, pspec, depths, seed,
-                 keep_trace=keep and seed == seeds[0] and name in cfg.trace_policies)
+                 keep_trace=keep and seed == seeds[0] and name in cfg.trace_policies, objective=objective)
             for name, pspec in pols
             for seed in seeds
         ]  # fmt: skip
     done = _run_all(jobs, cfg.jobs)
-    results_w, traces = collect_workloads(workloads, per_workload, done)
+    results_w, traces = collect_workloads(workloads, per_workload, done, objective)
     for name, absent in missing_policies.items():
         results_w[name]["missing_policies"] = absent
     cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
@@ -612,6 +673,7 @@ def evaluate_suite(cfg: EvalConfig) -> Path:
         "suite": cfg.suite,
         "config": cfg_dict,
         "sim": f"suite {cfg.suite}",
+        "objective": objective,
         "depths": list(depths),
         "seeds": seeds,
         "workloads": results_w,
@@ -636,6 +698,8 @@ __all__ = [
     "evaluate_suite",
     "headroom",
     "load_sim",
+    "resolve_objective",
     "run_job",
+    "slo_goodput_tok_s",
     "world_params",
 ]

@@ -141,6 +141,18 @@ def _fmt(stats: dict[str, Any], key: str, digits: int = 0) -> str:
     return f"{s['mean']:.{digits}f} ± {half:.{digits}f}"
 
 
+def _scores_line(results: dict[str, Any], open_loop: str) -> str:
+    """What the scores are, by the run's objective (``results["objective"]``)."""
+    objective = results.get("objective", "throughput")
+    if objective == "throughput":
+        return f"Objective throughput. Scores: closed loop → throughput (tokens/s); open loop → {open_loop}."
+    target = objective.split(":", 1)[1]
+    return (
+        f"Objective {objective}. Scores: goodput under the TPOT target, tokens/s of the completed requests "
+        f"whose TPOT is at most {target} ms (the others count 0), closed and open loop alike."
+    )
+
+
 def write_eval_outputs(results: dict[str, Any], out: Path, notes: str = "") -> Path:
     """Write ``results.json``, ``report.md`` and plots into ``out``; returns the report path."""
     learned = "ppo" if any("ppo" in w["policies"] for w in results["workloads"].values()) else None
@@ -152,8 +164,8 @@ def write_eval_outputs(results: dict[str, Any], out: Path, notes: str = "") -> P
         "",
         f"Depths {results['depths']}; seeds {results['seeds']} (the same for every policy); "
         f"capacity ≈ {results.get('capacity_req_s', 0):.2f} req/s; wall time {results.get('wall_s', 0):.0f} s.",
-        "Scores: closed loop → throughput (tokens/s); open loop → per-request decode speed (1000 / mean TPOT, "
-        "tokens/s). Values are mean ± 95% CI half-width over seeds.",
+        _scores_line(results, "per-request decode speed (1000 / mean TPOT, tokens/s)")
+        + " Values are mean ± 95% CI half-width over seeds.",
         "",
     ]
     lines += targets_table(results["targets"])
@@ -425,9 +437,9 @@ def write_suite_outputs(results: dict[str, Any], out: Path) -> Path:
         "",
         f"Depths {results['depths']}; {n_seeds} held-out seeds {results['seeds']} (the same for every "
         "policy); every (scenario, seed) runs on a world drawn around the deployment's fit, and "
-        "`goodput-fit` gets the fit. Scores: closed loop → throughput (tokens/s); open loop → "
-        "1000 / mean TPOT (tokens/s per request). Wall time "
-        f"{results.get('wall_s', 0):.0f} s.",
+        "`goodput-fit` gets the fit. "
+        + _scores_line(results, "1000 / mean TPOT (tokens/s per request)")
+        + f" Wall time {results.get('wall_s', 0):.0f} s.",
         "",
         "References (privileged, not competitors): `oracle` (clairvoyant greedy: true acceptance and "
         "latency of the next step), `goodput-exact` (goodput with the world's exact latency model). "

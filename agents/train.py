@@ -67,7 +67,8 @@ class TrainConfig:
         batch_size: PPO minibatch.
         n_epochs: PPO epochs per rollout.
         learning_rate: PPO learning rate (linearly decayed to 0).
-        gamma: discount; 0 because the regret reward is immediate (see module docstring).
+        gamma: discount: 0.98, so a probe of the drafter (a few costly steps) is paid for by the
+            tens of steps it makes better (0.9 erased the probe the warm start had learned).
         ent_coef: entropy bonus.
         clip_range: PPO clip.
         net_arch: hidden widths of policy and value MLPs.
@@ -90,10 +91,19 @@ class TrainConfig:
         model_features: give the policy the fitted latency model as input features
             (``controller.ppo_policy.model_features``; the zip carries the table).
         bc_time_weighted: weigh cloned states by their share of request-time.
+        bc_probe_staleness: the realistic expert's probe (:class:`ProbeRule`): draft at
+            ``bc_probe_depth`` once ``spec_staleness`` reaches this (0.9: about 115 steps
+            without drafting; 0 = no probe), and keep drafting there while the estimate is
+            rising (``accept_trend`` > 0) and within ``bc_probe_keep`` of depth 0's goodput.
+        bc_probe_depth: the depth a probe drafts at.
+        bc_probe_keep: goodput ratio (to depth 0) above which a rising probe continues.
         bc_epochs: passes over the aggregated states per round.
         save_warm_start: also save the policy before PPO as ``warmstart.zip`` (ablation).
         reward: ``"regret"`` (module docstring) or ``"extra-tokens"`` (SpecDecode-v0's own:
             tokens over what no speculation would have emitted in the same time; ablation).
+        objective: ``throughput`` or ``slo:TPOT_MS`` (:mod:`controller.objective`): what the
+            ``objective`` reward counts (every token, or only the tokens of requests on their
+            TPOT target; :class:`RegretReward`), stored in the zip for eval and serve.
         progress: show a progress bar.
     """
 
@@ -110,7 +120,7 @@ class TrainConfig:
     batch_size: int = 512
     n_epochs: int = 5
     learning_rate: float = 1e-4
-    gamma: float = 0.9
+    gamma: float = 0.98
     ent_coef: float = 0.0
     clip_range: float = 0.1
     net_arch: tuple[int, ...] = (64, 64)
@@ -127,6 +137,10 @@ class TrainConfig:
     bc_time_weighted: bool = True
     model_features: bool = True
     bc_expert: float = 0.0
+    bc_probe_staleness: float = 0.9
+    bc_probe_depth: int = 2
+    bc_probe_keep: float = 0.85
+    objective: str = "throughput"
     progress: bool = True
 
     @classmethod
@@ -147,6 +161,7 @@ class TrainConfig:
             ("gamma", "gamma"),
             ("reward", "reward"),
             ("drafter_mix", "drafter_mix"),
+            ("objective", "objective"),
         ):
             value = getattr(args, flag, None)
             if value is not None:
@@ -157,6 +172,11 @@ class TrainConfig:
             cfg = replace(cfg, n_envs=args.n_envs)
         if not 0.0 <= cfg.drafter_mix <= 1.0:
             raise ConfigError(f"--drafter-mix must be in [0, 1], got {cfg.drafter_mix}")
+        from controller.objective import parse_objective
+
+        cfg = replace(cfg, objective=str(parse_objective(cfg.objective)))
+        if cfg.objective != "throughput" and cfg.reward != "objective":
+            raise ConfigError(f"--objective {cfg.objective} needs --reward objective, got --reward {cfg.reward}")
         if not cfg.out.name.endswith(".zip"):
             raise ConfigError(f"--out must name a .zip file, got {str(cfg.out)!r}")
         return cfg
@@ -312,6 +332,19 @@ def _tokens_and_times(engine: Any, depths: tuple[int, ...]) -> tuple[np.ndarray,
     return tokens, times
 
 
+def on_target_tokens(engine: Any, depths: tuple[int, ...], times_us: np.ndarray, tpot_ms: float) -> np.ndarray:
+    """Per depth, the true expected tokens of the next step from the requests for which that
+    step is on the TPOT target: time per token ``T_d / e_i(d) ≤ tpot_ms`` (``e_i``: request
+    i's expected tokens at depth d). The per-step stand-in for a request-level target: a
+    request every step of which is on target meets it."""
+    budget_us = tpot_ms * 1000.0
+    out = np.zeros(len(depths))
+    for i, (d, t_us) in enumerate(zip(depths, times_us)):
+        e = engine.expected_tokens_each(d)
+        out[i] = float(e[t_us <= budget_us * e].sum())
+    return out
+
+
 REWARDS = ("objective", "regret", "extra-tokens")
 
 
@@ -332,6 +365,13 @@ class RegretReward(gym.Wrapper):
       (stale drafter, batches that drain faster or grow, queues) is paid for later: trained
       with γ > 0. Closed loop: maximises throughput; open loop (arrivals fixed): minimises
       request-seconds, i.e. token-weighted TPOT.
+
+      With ``objective="slo:TPOT_MS"`` the same form counts only on-target tokens
+      (:func:`on_target_tokens`: tokens of the requests whose time per token in this step is
+      within the target), and ``ρ̄`` tracks the best on-target rate (floored at 5% of the best
+      throughput rate, so a target no depth meets prices time rather than dividing by zero).
+      Summed over an episode: on-target tokens − ρ̄ × request-seconds, the Dinkelbach form of
+      goodput under the SLO. ``info["rates"]`` are then on-target rates too.
     - ``regret``: ``rate_d / max_k rate_k`` at the decision, immediate (γ = 0; the earlier
       method).
     - ``extra-tokens``: SpecDecode-v0's own reward (an ablation).
@@ -340,16 +380,24 @@ class RegretReward(gym.Wrapper):
         env: a ``SpecDecode-v0`` environment (its engine gives the true values).
         reward: one of :data:`REWARDS`.
         use_env_reward: deprecated spelling of ``reward="extra-tokens"``.
+        objective: ``throughput`` or ``slo:TPOT_MS`` (:mod:`controller.objective`).
     """
 
     RHO_ALPHA = 1.0 / 256.0
     W_ALPHA = 1.0 / 64.0
 
-    def __init__(self, env: gym.Env, use_env_reward: bool = False, reward: str = "regret") -> None:
+    RHO_FLOOR = 0.05
+
+    def __init__(
+        self, env: gym.Env, use_env_reward: bool = False, reward: str = "regret", objective: str = "throughput"
+    ) -> None:
         super().__init__(env)
+        from controller.objective import parse_objective
+
         self.reward_kind = "extra-tokens" if use_env_reward else reward
         if self.reward_kind not in REWARDS:
             raise ConfigError(f"reward must be one of {', '.join(REWARDS)}, got {reward!r}")
+        self.objective = parse_objective(objective)
         sim: Any = env.unwrapped
         self._sim = sim
         self.depths: tuple[int, ...] = tuple(sim.depths)
@@ -359,18 +407,24 @@ class RegretReward(gym.Wrapper):
         self._n = 0
         self._rho = 0.0
         self._w = 0.0
+        self._floor = 0.0
 
     def _observe(self, info: dict[str, Any]) -> None:
         eng = self._sim.engine
         self._tokens, self._times = _tokens_and_times(eng, self.depths)
         self._n = n = int(eng.n)
-        self._rates = np.where(self._times > 0, self._tokens / np.maximum(self._times, 1e-9) * 1e6, 0.0)
+        inv_s = np.where(self._times > 0, 1e6 / np.maximum(self._times, 1e-9), 0.0)
+        self._floor = 0.0
+        if self.objective.tpot_ms is not None:
+            self._floor = self.RHO_FLOOR * float((self._tokens * inv_s).max()) / max(n, 1)
+            self._tokens = on_target_tokens(eng, self.depths, self._times, self.objective.tpot_ms)
+        self._rates = self._tokens * inv_s
         info["rates"] = self._rates
         best = int(np.argmax(self._rates))
         req_time = n * self._times[best]
         if n > 0 and self._w <= 0.0:
             self._w = req_time
-            self._rho = self._rates[best] / n
+            self._rho = max(self._rates[best] / n, self._floor)
         info["weight"] = req_time / self._w if self._w > 0 else 0.0
 
     def reset(self, **kwargs: Any):
@@ -386,7 +440,8 @@ class RegretReward(gym.Wrapper):
         if self.reward_kind == "objective":
             if n > 0 and self._w > 0:
                 cost = n * self._times[a] * 1e-6  # request-seconds
-                reward = float((self._tokens[a] - self._rho * cost) / (self._rho * self._w * 1e-6))
+                rho = max(self._rho, self._floor)
+                reward = float((self._tokens[a] - rho * cost) / (rho * self._w * 1e-6))
                 self._rho += self.RHO_ALPHA * (best / n - self._rho)
                 self._w += self.W_ALPHA * (n * self._times[int(np.argmax(rates))] - self._w)
             else:
@@ -454,7 +509,7 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig, table: np.ndar
         episode_steps=cfg.episode_steps,
     )
     wrapped: gym.Env = ModelFeatures(env, table) if table is not None else env
-    return RegretReward(wrapped, reward=cfg.reward)
+    return RegretReward(wrapped, reward=cfg.reward, objective=cfg.objective)
 
 
 # --------------------------------------------------------------------------- warm start
@@ -465,6 +520,66 @@ def _estimated_rel(obs: np.ndarray, n_act: int) -> np.ndarray:
     (the last ``n_act`` entries of an observation with model features)."""
     g = obs[-n_act:].astype(np.float64)
     return np.exp(g - g.max())
+
+
+@dataclass(frozen=True)
+class ProbeRule:
+    """The realistic expert's exploration, a rule on the observation alone (so the MLP can
+    learn it): at depth 0 the acceptance estimate returns to its prior, and where drafting
+    pays only for a good drafter (the ``seed`` deployment: depth 1 costs 1.9× a plain step)
+    the argmax of the model's goodput never drafts again, and never sees the drafter turn
+    good. So once ``spec_staleness`` reaches ``staleness`` the expert drafts at ``action``;
+    one step moves the estimate too little to switch (a weak prior of 2 request-positions),
+    so while the last step ran at that depth, the accepted fraction is rising and the
+    estimated goodput there is within ``keep`` of depth 0's, it drafts again. A drafter that
+    stays bad ends the probe within a few steps (the trend turns down)."""
+
+    stale_idx: int
+    trend_idx: int
+    onehot_idx: int
+    action: int
+    staleness: float
+    keep: float
+
+    @classmethod
+    def for_config(cls, cfg: TrainConfig) -> ProbeRule | None:
+        if cfg.bc_probe_staleness <= 0:
+            return None
+        from controller.features import Featurizer
+
+        if cfg.bc_probe_depth not in cfg.depths[1:]:
+            raise ConfigError(f"bc_probe_depth {cfg.bc_probe_depth} is not a drafting depth of {list(cfg.depths)}")
+        names = Featurizer(cfg.depths).feature_names
+        return cls(
+            names.index("spec_staleness"),
+            names.index("accept_trend"),
+            names.index(f"depth={cfg.bc_probe_depth}"),
+            cfg.depths.index(cfg.bc_probe_depth),
+            cfg.bc_probe_staleness,
+            cfg.bc_probe_keep,
+        )
+
+    def probes(self, obs: np.ndarray, rel: np.ndarray) -> bool:
+        """Whether the expert probes in this state (``rel``: its relative goodput per depth)."""
+        if int(np.argmax(rel)) != 0:
+            return False
+        if obs[self.stale_idx] >= self.staleness:
+            return True
+        return bool(obs[self.onehot_idx] > 0.5 and obs[self.trend_idx] > 0 and rel[self.action] >= self.keep * rel[0])
+
+    def labels(self, obs: np.ndarray, rel: np.ndarray) -> np.ndarray:
+        """``rel`` with the probe depth made the clear best where the expert probes."""
+        if not self.probes(obs, rel):
+            return rel
+        out = rel * 0.97
+        out[self.action] = 1.0
+        return out
+
+
+def _expert_rel(obs: np.ndarray, n_act: int, probe: ProbeRule | None) -> np.ndarray:
+    """The realistic expert's relative rates: the model's goodput, with its probe."""
+    rel = _estimated_rel(obs, n_act)
+    return rel if probe is None else probe.labels(obs, rel)
 
 
 def _collect(
@@ -554,6 +669,7 @@ def warm_start(
 ) -> list[dict[str, float]]:
     """DAgger rounds of regret-weighted cloning of the oracle into ``model``'s actor."""
     n_act = len(cfg.depths)
+    probe = ProbeRule.for_config(cfg)
     history: list[dict[str, float]] = []
     obs_all: list[np.ndarray] = []
     rel_all: list[np.ndarray] = []
@@ -569,7 +685,7 @@ def warm_start(
                 if rng.random() < 0.3:
                     return int(rng.integers(n_act))
                 if cfg.bc_expert < 1.0 and rng.random() >= cfg.bc_expert:
-                    return int(np.argmax(_estimated_rel(obs, n_act)))
+                    return int(np.argmax(_expert_rel(obs, n_act, probe)))
                 return int(np.argmax(rates))
             if rng.random() < 0.1:
                 return int(rng.integers(n_act))
@@ -580,7 +696,7 @@ def warm_start(
         if cfg.bc_expert < 1.0:
             if not cfg.model_features:
                 raise ConfigError("bc_expert < 1 needs model_features (the realistic expert reads them)")
-            est = np.stack([_estimated_rel(o, n_act) for o in obs]).astype(np.float32)
+            est = np.stack([_expert_rel(o, n_act, probe) for o in obs]).astype(np.float32)
             rel = cfg.bc_expert * rel + (1.0 - cfg.bc_expert) * est
         obs_all.append(obs)
         rel_all.append(rel)
@@ -660,9 +776,10 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         "sim": params.name,
         "source": source,
         "reward": cfg.reward,
+        "objective": cfg.objective,
         "warm_start_rounds": cfg.bc_rounds,
     }
-    meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra, model_table=table)
+    meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra, model_table=table, objective=cfg.objective)
     if cfg.bc_rounds > 0:
         bc_envs = [make_env(params, workloads, cfg, table) for _ in range(4)]
         bc_history = warm_start(model, bc_envs, cfg, rng, log)
@@ -713,6 +830,7 @@ def _report(
         f"- domain randomization ×{cfg.randomize} of the fit's standard errors; drafter of random quality in "
         f"{cfg.drafter_mix:.0%} of episodes; {cfg.n_workloads} workloads; "
         f"action delay {cfg.delay[0]}–{cfg.delay[1]} steps",
+        f"- objective: {cfg.objective}",
         f"- wall time {wall:.0f} s (warm start {t_bc:.0f} s, PPO {wall - t_bc:.0f} s for {cfg.timesteps} steps)",
         "",
         {

@@ -64,6 +64,8 @@ class ServiceStats:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS_NS) + 1)  # last slot: +Inf
         self.latency_sum_ns = 0
         self.spin_ns = 0  # hybrid polling: time spent polling without sleeping
+        self.policy = ""  # the served policy's name and objective, for the info metric
+        self.objective = "throughput"
 
     def observe_latency(self, ns: int) -> None:
         """Count one decision latency (ns) in its histogram bucket."""
@@ -136,6 +138,11 @@ class _Collector:
             buckets=buckets,
             sum_value=s.latency_sum_ns / 1e9,
         )
+        info = GaugeMetricFamily(
+            p + "policy_info", "The served policy and the objective it was trained for", labels=["policy", "objective"]
+        )
+        info.add_metric([s.policy, s.objective], 1.0)
+        yield info
         yield GaugeMetricFamily(p + "instances_connected", "Instances with a live session", s.instances)
         yield CounterMetricFamily(
             p + "spin_seconds",

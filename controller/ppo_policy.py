@@ -33,8 +33,9 @@ from typing import Any, Final
 import numpy as np
 
 from controller._jit import JIT_ENABLED, maybe_njit_reassoc, njit_uncached
-from controller.errors import PolicyLoadError
+from controller.errors import ControllerError, PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer, fuse, warm_up
+from controller.objective import THROUGHPUT, parse_objective
 from controller.protocol import Step
 
 META_NAME: Final = "specdepth.json"
@@ -63,6 +64,9 @@ class PPOMeta:
             :data:`MODEL_BS_GRID` × :data:`MODEL_CTX_GRID` (the observation's ``bs`` and
             ``ctx_per_req`` features); the MLP input then carries :func:`model_features`
             after the observation. None: the observation alone (older zips).
+        objective: what the policy was trained for, as ``--objective`` spells it
+            (:mod:`controller.objective`: ``throughput`` or ``slo:TPOT_MS``); zips from before
+            the key existed were trained for throughput.
     """
 
     depths: tuple[int, ...]
@@ -74,6 +78,7 @@ class PPOMeta:
     frame_stack: int = 1
     extra: dict[str, Any] | None = None
     model_table: tuple[tuple[tuple[float, ...], ...], ...] | None = None
+    objective: str = THROUGHPUT
 
     @property
     def input_dim(self) -> int:
@@ -94,6 +99,7 @@ class PPOMeta:
                 "net_arch": list(self.net_arch),
                 "activation": self.activation,
                 "frame_stack": self.frame_stack,
+                "objective": self.objective,
                 "extra": self.extra or {},
                 **extra_keys,
             },
@@ -118,6 +124,7 @@ class PPOMeta:
                 frame_stack=int(raw.get("frame_stack", 1)),
                 extra=dict(raw.get("extra") or {}),
                 model_table=_table(raw.get("model_table")),
+                objective=str(raw.get("objective", THROUGHPUT)),
             )
         except PolicyLoadError:
             raise
@@ -127,6 +134,10 @@ class PPOMeta:
             raise PolicyLoadError(f"{META_NAME}: activation {meta.activation!r} is not one of {ACTIVATIONS}")
         if meta.frame_stack < 1:
             raise PolicyLoadError(f"{META_NAME}: frame_stack must be ≥ 1, got {meta.frame_stack}")
+        try:
+            parse_objective(meta.objective)
+        except ControllerError as exc:
+            raise PolicyLoadError(f"{META_NAME}: objective: {exc}") from None
         if meta.model_table is not None:
             shape = (len(meta.depths), len(MODEL_BS_GRID), len(MODEL_CTX_GRID))
             got = (
@@ -214,9 +225,10 @@ def meta_for(
     frame_stack: int = 1,
     extra: dict[str, Any] | None = None,
     model_table: Any = None,
+    objective: str = THROUGHPUT,
 ) -> PPOMeta:
     """The metadata of a policy trained on this checkout's Featurizer for ``depths`` (with
-    a fitted model's table, :attr:`PPOMeta.model_table`, when given)."""
+    a fitted model's table, :attr:`PPOMeta.model_table`, when given) for ``objective``."""
     feat = Featurizer(depths)
     return PPOMeta(
         depths=tuple(int(d) for d in depths),
@@ -228,6 +240,7 @@ def meta_for(
         frame_stack=frame_stack,
         extra=extra,
         model_table=_table(model_table.tolist() if isinstance(model_table, np.ndarray) else model_table),
+        objective=str(parse_objective(objective)),
     )
 
 
@@ -604,6 +617,7 @@ class PPOFactory:
         self.path = path
         self.meta = meta
         self.name = f"ppo:{path.name}"
+        self.objective = meta.objective
         self._mlp = mlp
         self._fused: Callable[..., int] | None = None
 

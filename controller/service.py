@@ -59,6 +59,7 @@ from controller.errors import ConfigError, ControllerError, PolicyLoadError
 from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.features import warm_up as warm_up_featurizer
 from controller.metrics import LATENCY_BUCKETS_NS, ServiceStats
+from controller.objective import THROUGHPUT
 from controller.policy import FusedPolicy, Policy, PolicyFactory, ServingFactory
 from controller.polling import Cadence, SpinPlanner
 from controller.protocol import (
@@ -282,6 +283,10 @@ class Server:
         # after numba compiled (or loaded) the Featurizer on that first step.
         warm_up_featurizer()
         self.stats = ServiceStats()
+        # What the served policy maximises (a PPO zip's objective; builtins: throughput).
+        self.objective = str(getattr(self.factory, "objective", THROUGHPUT))
+        self.stats.policy = str(getattr(self.factory, "name", config.policy))
+        self.stats.objective = self.objective
         # How the loop waits; `poll_mode` says what this process does, after the CPU check.
         self.poll_mode = config.poll
         self._planner: SpinPlanner | None = None
@@ -764,7 +769,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         required=True,
         metavar="SPEC",
         help="a PPO zip written by `controller train`, or builtin:NAME: builtin:static:3 (always depth 3; any "
-        "static:K), vllm-dsd, trtllm-schedule, sglang-adaptive, sglang-adaptive-all, goodput, bandit",
+        "static:K), vllm-dsd, trtllm-schedule, sglang-adaptive, sglang-adaptive-all, goodput, bandit. "
+        "A zip serves the objective it was trained for (`controller train --objective`: throughput "
+        "or slo:TPOT_MS); the startup log line and the specdepth_policy_info metric name it",
     )
     p.add_argument(
         "--bind",
@@ -872,8 +879,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     log.info(
-        "serving %s on %s (protocol v%d, features v%d), %s polling%s%s%s",
+        "serving %s (objective %s) on %s (protocol v%d, features v%d), %s polling%s%s%s",
         server.factory.name,
+        server.objective,
         server.endpoint,
         PROTOCOL_VERSION,
         FEATURIZER_VERSION,

@@ -402,6 +402,27 @@ class Engine:
         reach = np.where(j[None, :] <= (rem - 1.0)[:, None], reach, 0.0)
         return float(np.minimum(1.0, rem).sum() + reach.sum())
 
+    def expected_tokens_each(self, depth: int) -> np.ndarray:
+        """TRUE expected tokens of each running request in one step at ``depth`` (the terms
+        :meth:`expected_tokens` sums; ground truth, never an observation)."""
+        n = self.n
+        if n == 0:
+            return np.zeros(0)
+        rem = self.rem[:n].astype(np.float64)
+        first = np.minimum(1.0, rem)
+        if depth == 0:
+            return first
+        x = self.xoff[:n] + self.drift
+        ap = self.params.acceptance
+        if ap.ctx_logit > 0.0:
+            seq_len = self.S[:n, PROMPT] + self.S[:n, OUT] - rem
+            x = x - ap.ctx_logit * np.log(np.maximum(seq_len / ap.ctx_ref_tokens, 1.0))
+        logits = self._base[:depth] + x[:, None]
+        reach = np.cumprod(1.0 / (1.0 + np.exp(-logits)), axis=1)
+        j = np.arange(1, depth + 1)
+        reach = np.where(j[None, :] <= (rem - 1.0)[:, None], reach, 0.0)
+        return first + reach.sum(axis=1)  # type: ignore[no-any-return]
+
     def expected_rate(self, depth: int) -> float:
         """TRUE expected tokens/s of the next step at ``depth`` for the current batch, using
         the true per-request acceptance and the latency model (for the clairvoyant oracle)."""

@@ -19,7 +19,7 @@ from controller.errors import ConfigError
 from controller.features import Featurizer
 from controller.policy import EngineBound, Policy
 from controller.protocol import DEFAULT_DEPTHS, Step
-from env.engine import Engine
+from env.engine import Engine, RequestStats
 from env.params import SimParams
 
 _NO_OBSERVATION = np.zeros(0, dtype=np.float32)
@@ -98,6 +98,8 @@ class RunResult:
         tokens: output tokens emitted.
         duration_s: simulated wall time.
         trace_time_s, trace_bs, trace_depth: per step, for plots.
+        completed: the completed requests' :class:`~env.engine.RequestStats` (for scores
+            that judge each request, e.g. goodput under a TPOT target).
     """
 
     throughput_tok_s: float
@@ -111,6 +113,7 @@ class RunResult:
     trace_time_s: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
     trace_bs: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, dtype=np.int32))
     trace_depth: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, dtype=np.int16))
+    completed: list[RequestStats] = field(repr=False, default_factory=list)
 
     def as_dict(self) -> dict:
         return {
@@ -220,4 +223,5 @@ def _result(
         trace_time_s=np.asarray(t_list, dtype=np.float64) / 1e6,
         trace_bs=np.asarray(bs_list, dtype=np.int32),
         trace_depth=depth_arr,
+        completed=list(engine.completed),
     )

@@ -9,7 +9,8 @@ layer           modules                                                     may 
 ==============  ==========================================================  =====================
 foundation      controller.errors, controller._jit, controller.cpus         —
 protocol        controller.protocol (the wire schema)                       foundation
-base            controller.features, .policy (the interface), .traces       protocol, foundation
+base            controller.features, .policy (the interface), .traces,      protocol, foundation
+                .objective
 policies        controller.baselines, .ppo_policy, .registry                base and below
 service         controller.service, .polling, .metrics                      policies and below
 hook            sglang_hook.* (runs inside SGLang)                          controller.protocol,
@@ -42,7 +43,7 @@ PACKAGES = ("controller", "env", "agents", "sglang_hook")
 LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": ("controller", "controller.errors", "controller._jit", "controller.cpus"),
     "protocol": ("controller.protocol",),
-    "base": ("controller.features", "controller.policy", "controller.traces"),
+    "base": ("controller.features", "controller.policy", "controller.traces", "controller.objective"),
     "policies": ("controller.baselines", "controller.ppo_policy", "controller.registry"),
     "service": ("controller.polling", "controller.metrics", "controller.service"),
     "hook": ("sglang_hook.*",),

@@ -16,6 +16,7 @@ from agents.cli import register  # noqa: F401  (the CLI module must import witho
 from agents.evaluate import EvalConfig, ci95, evaluate
 from agents.train import TrainConfig, train, workload_pool
 from controller.cli import main
+from controller.errors import ConfigError
 from controller.ppo_policy import load_ppo_factory
 
 TINY = TrainConfig(
@@ -235,3 +236,33 @@ def test_eval_refuses_bad_arguments_before_it_runs_anything(tmp_path, capsys, fl
         err
     )
     assert "eval:" not in err.split("error:", 1)[1] and not out.exists()  # no progress bar, no output
+
+
+def test_the_realistic_experts_probe_drafts_after_a_stretch_at_depth_0_and_ends_on_a_bad_drafter():
+    from agents.train import ProbeRule
+    from controller.features import Featurizer
+
+    cfg = replace(TINY, bc_probe_staleness=0.9, bc_probe_depth=2, bc_probe_keep=0.85)
+    rule = ProbeRule.for_config(cfg)
+    assert rule is not None and rule.action == cfg.depths.index(2)
+    names = Featurizer(cfg.depths).feature_names
+    obs = np.zeros(len(names) + 2 * len(cfg.depths), dtype=np.float32)
+    at_zero = np.array([1.0, 0.7, 0.9, 0.8, 0.6])  # depth 0 is the model's best
+    assert not rule.probes(obs, at_zero)  # drafted recently: no probe
+    obs[names.index("spec_staleness")] = 0.95
+    assert rule.probes(obs, at_zero)
+    labels = rule.labels(obs, at_zero)
+    assert labels[rule.action] - np.delete(labels, rule.action).max() > 0.02
+    assert not rule.probes(obs, np.array([0.9, 1.0, 0.8, 0.7, 0.6]))  # drafting already wins: no probe needed
+    # Just probed at depth 2: continue while the accepted fraction rises and depth 2 is close.
+    obs[names.index("spec_staleness")] = 0.0
+    obs[names.index("depth=2")] = 1.0
+    obs[names.index("accept_trend")] = 0.05
+    assert rule.probes(obs, at_zero)
+    obs[names.index("accept_trend")] = -0.05  # a bad drafter: the trend turns down, the probe ends
+    assert not rule.probes(obs, at_zero)
+    obs[names.index("accept_trend")] = 0.05
+    assert not rule.probes(obs, np.array([1.0, 0.7, 0.8, 0.8, 0.6]))  # depth 2 far below depth 0
+    assert ProbeRule.for_config(replace(cfg, bc_probe_staleness=0.0)) is None
+    with pytest.raises(ConfigError, match="bc_probe_depth 4"):
+        ProbeRule.for_config(replace(cfg, bc_probe_depth=4))
