@@ -12,18 +12,17 @@ The pipeline, top to bottom:
    bursts, chat↔code acceptance phase shifts on closed and open bases), in 30% of episodes a
    drafter of random quality (from useless to near perfect: ``drafter_mix``), and the
    overlap-scheduling action delay drawn from {1, 2}.
-3. **Reward.** :class:`RegretReward` (a gymnasium wrapper) replaces the env's reward with
-   ``E[rate | state, chosen depth] / max_k E[rate | state, k]`` — the fraction of the best
-   achievable expected tokens/s for the batch as it stands, computed from the simulator's
-   true per-request acceptance and latency model (privileged information used only for the
-   reward, never in an observation). It is in (0, 1], scale-free across batch sizes (so
-   small-batch and large-batch regimes weigh the same), and has far less variance than
-   sampled tokens. With it, the problem is a contextual bandit with delayed application,
-   so ``gamma`` defaults to 0.
-4. **Warm start.** Regret-weighted behaviour cloning of the clairvoyant oracle, DAgger-style:
-   states are collected by rolling out (first the oracle with random actions mixed in, then
-   the current network), every allowed depth is scored there, and the actor is trained to
-   minimise expected regret. This gets PPO to a good policy in minutes on 2 cores.
+3. **Reward** (``--reward``). The default, ``objective``, is the user's objective over time
+   (``--objective``: throughput, or goodput under a TPOT target) as a Dinkelbach reward
+   against a slowly moving reference rate, with ``gamma`` 0.98 so that a choice whose payoff
+   comes later (a probe of the drafter, a queue) is credited. :class:`RegretReward` (the
+   fraction of the best expected tokens/s at each step, ``gamma`` 0) remains as ``regret``.
+   Rewards use the simulator's true acceptance and latency (privileged information for the
+   reward only, never in an observation).
+4. **Warm start.** DAgger-style cloning of a realistic expert: the fitted model's goodput on
+   the observed acceptance, plus :class:`ProbeRule` (draft briefly after a long stretch at
+   depth 0, so a drafter that turned good is found). States are collected by rolling out the
+   expert, then the current network; every allowed depth is scored there.
 5. **PPO.** stable-baselines3 PPO (MlpPolicy, 2×64 tanh) fine-tunes on-policy with the same
    reward, with a progress bar and TensorBoard logs (``tb/``).
 6. **Outputs.** ``ppo.zip`` (SB3 format + ``specdepth.json``, loadable by ``controller serve``
