@@ -79,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     src.add_argument("--deployment", help="a bundled deployment (h200-llama8b, seed)")
     src.add_argument(
         "--suite",
-        help="a named, held-out scenario suite across deployments (agents/suite.py: decisions-v1); "
+        help="a named, held-out scenario suite across deployments (agents/suite.py: decisions-v1, decisions-v2); "
         "a zip path may hold {deployment}",
     )
     e.add_argument("--policy", action="append", default=[], help="PPO zip or builtin:NAME (repeatable)")

@@ -457,8 +457,9 @@ class RegretReward(gym.Wrapper):
       the requests that met the target (plus the on-target tokens of those still running) −
       ρ̄ × request-seconds, the Dinkelbach form of the SLO goodput eval scores rather than of
       its per-step stand-in. Its reference rate is the policy's own recent goodput per
-      request-second (:meth:`_running_step` says why); ``W̄`` and ``info["rates"]`` (the warm
-      start's labels) stay the stand-in's.
+      request-second (:meth:`_running_step` says why); ``W̄`` and ``info["rates"]`` (the
+      oracle's share of the warm start's labels, ``bc_expert``) stay the stand-in's: the warm
+      start does not see the objective's running slack.
     - ``regret``: ``rate_d / max_k rate_k`` at the decision, immediate (γ = 0; the earlier
       method).
     - ``extra-tokens``: SpecDecode-v0's own reward (an ablation).
