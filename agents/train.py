@@ -106,6 +106,9 @@ class TrainConfig:
         slo_credit: how the ``objective`` reward credits an SLO objective: ``"step"`` (a step
             counts for a request if its own time per token is on target) or ``"running"``
             (each request's running TPOT: :class:`SloCredit`).
+        bc_slo_labels: under an SLO objective, the oracle's warm-start labels (with
+            ``bc_expert`` > 0): ``"step"`` or ``"projected"`` (each request's TPOT projected to
+            its end at the depth; :func:`projected_on_target_tokens`).
         progress: show a progress bar.
     """
 
@@ -144,6 +147,7 @@ class TrainConfig:
     bc_probe_keep: float = 0.85
     objective: str = "throughput"
     slo_credit: str = "step"
+    bc_slo_labels: str = "step"
     progress: bool = True
 
     @classmethod
@@ -421,8 +425,35 @@ class SloCredit:
         return credit
 
 
+def projected_on_target_tokens(
+    engine: Any, depths: tuple[int, ...], times_us: np.ndarray, tpot_ms: float
+) -> np.ndarray:
+    """Per depth d, the true expected tokens of the next step from the requests whose TPOT
+    would end on target if every step left ran at d: projected finish ``now + rem_i ·
+    T_d / e_i(d)``, projected TPOT ``(finish − t_first) / (output − 1) ≤ tpot_ms``. Unlike
+    :func:`on_target_tokens` a request's past slack counts, and a depth that is slow per step
+    but keeps a request on target over its life does too. Ground truth (true output lengths
+    and acceptance): for the warm start's oracle labels only, never an observation."""
+    from env.engine import OUT, TFIRST
+
+    out = np.zeros(len(depths))
+    n = int(engine.n)
+    if n == 0:
+        return out
+    total = engine.S[:n, OUT]
+    rem = engine.rem[:n].astype(np.float64)
+    t_first = np.where(engine.S[:n, TFIRST] >= 0, engine.S[:n, TFIRST], float(engine.now_us))
+    for i, (d, t_us) in enumerate(zip(depths, times_us)):
+        e = engine.expected_tokens_each(d)
+        finish = float(engine.now_us) + rem * t_us / np.maximum(e, 1e-9)
+        ok = (finish - t_first <= tpot_ms * 1000.0 * (total - 1.0)) | (total <= 1.0)
+        out[i] = float(e[ok].sum())
+    return out
+
+
 REWARDS = ("objective", "regret", "extra-tokens")
 SLO_CREDITS = ("step", "running")
+SLO_LABELS = ("step", "projected")
 
 
 class RegretReward(gym.Wrapper):
@@ -471,6 +502,9 @@ class RegretReward(gym.Wrapper):
         objective: ``throughput`` or ``slo:TPOT_MS`` (:mod:`controller.objective`).
         slo_credit: under an SLO objective, ``"step"`` (the per-step stand-in) or
             ``"running"`` (:class:`SloCredit`); ignored for throughput.
+        slo_labels: under an SLO objective, what ``info["rates"]`` (the oracle's labels for
+            the warm start, ``bc_expert``) count: ``"step"`` (:func:`on_target_tokens`) or
+            ``"projected"`` (:func:`projected_on_target_tokens`); the reward is unchanged.
     """
 
     RHO_ALPHA = 1.0 / 256.0
@@ -486,6 +520,7 @@ class RegretReward(gym.Wrapper):
         reward: str = "regret",
         objective: str = "throughput",
         slo_credit: str = "step",
+        slo_labels: str = "step",
     ) -> None:
         super().__init__(env)
         from controller.objective import parse_objective
@@ -496,6 +531,9 @@ class RegretReward(gym.Wrapper):
         self.objective = parse_objective(objective)
         if slo_credit not in SLO_CREDITS:
             raise ConfigError(f"slo_credit must be one of {', '.join(SLO_CREDITS)}, got {slo_credit!r}")
+        if slo_labels not in SLO_LABELS:
+            raise ConfigError(f"slo_labels must be one of {', '.join(SLO_LABELS)}, got {slo_labels!r}")
+        self._projected = self.objective.tpot_ms is not None and slo_labels == "projected"
         self._credit: SloCredit | None = None
         if self.objective.tpot_ms is not None and slo_credit == "running":
             self._credit = SloCredit(self.objective.tpot_ms)
@@ -524,6 +562,9 @@ class RegretReward(gym.Wrapper):
             self._tokens = on_target_tokens(eng, self.depths, self._times, self.objective.tpot_ms)
         self._rates = self._tokens * inv_s
         info["rates"] = self._rates
+        if self._projected and self.objective.tpot_ms is not None:
+            proj = projected_on_target_tokens(eng, self.depths, self._times, self.objective.tpot_ms)
+            info["rates"] = proj * inv_s
         best = int(np.argmax(self._rates))
         req_time = n * self._times[best]
         if n > 0 and self._w <= 0.0:
@@ -653,7 +694,9 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig, table: np.ndar
         episode_steps=cfg.episode_steps,
     )
     wrapped: gym.Env = ModelFeatures(env, table) if table is not None else env
-    return RegretReward(wrapped, reward=cfg.reward, objective=cfg.objective, slo_credit=cfg.slo_credit)
+    return RegretReward(
+        wrapped, reward=cfg.reward, objective=cfg.objective, slo_credit=cfg.slo_credit, slo_labels=cfg.bc_slo_labels
+    )
 
 
 # --------------------------------------------------------------------------- warm start

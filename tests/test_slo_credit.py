@@ -156,3 +156,25 @@ def test_slo_credit_is_validated_and_documented(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "--slo-credit {step,running}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_projected_labels_count_a_requests_whole_life():
+    from agents.train import _tokens_and_times, projected_on_target_tokens
+    from env.gym_env import SpecDecodeEnv
+
+    sim = SpecDecodeEnv(deployment="h200-llama8b", workload="closed:16", episode_steps=100)
+    sim.reset(seed=2)
+    for _ in range(30):
+        sim.step(2)
+    eng = sim.engine
+    depths = (0, 1, 2, 3, 5)
+    full, times = _tokens_and_times(eng, depths)
+    assert projected_on_target_tokens(eng, depths, times, 1e6) == pytest.approx(full)  # every request on target
+    assert projected_on_target_tokens(eng, depths, times, 1e-3).sum() == 0.0  # none
+    mid = projected_on_target_tokens(eng, depths, times, 10.0)
+    assert np.all(mid <= full + 1e-9)
+    env = RegretReward(sim, reward="objective", objective="slo:10", slo_labels="projected")
+    _, info = env.reset(seed=2)
+    assert info["rates"].shape == (5,) and np.all(np.isfinite(info["rates"]))
+    with pytest.raises(ConfigError, match="slo_labels"):
+        RegretReward(sim, reward="objective", objective="slo:10", slo_labels="final")
