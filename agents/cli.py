@@ -45,6 +45,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="training reward (default objective: tokens per request-second over time, γ > 0)",
     )
     t.add_argument("--objective", default=None, metavar="OBJECTIVE", help=OBJECTIVE_HELP + "; stored in the zip")
+    t.add_argument(
+        "--slo-credit",
+        choices=("step", "running"),
+        default=None,
+        help="how the objective reward credits an slo:TPOT_MS objective: 'step' (default: a step "
+        "counts for a request if its own time per token is on target) or 'running' (each "
+        "request's running TPOT: tokens count while it is on target, all of them are taken back "
+        "by the step that pushes it over)",
+    )
     t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.98)")
     t.add_argument(
         "--drafter-mix",
@@ -70,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     src.add_argument("--deployment", help="a bundled deployment (h200-llama8b, seed)")
     src.add_argument(
         "--suite",
-        help="a named, held-out scenario suite across deployments (agents/suite.py: decisions-v1); "
+        help="a named, held-out scenario suite across deployments (agents/suite.py: decisions-v1, decisions-v2); "
         "a zip path may hold {deployment}",
     )
     e.add_argument("--policy", action="append", default=[], help="PPO zip or builtin:NAME (repeatable)")

@@ -522,17 +522,22 @@ def collect_workloads(
     policies: dict[str, list[tuple[str, str]]],
     done: list[_Job],
     objective: str = "throughput",
+    objectives: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """results.json's ``workloads`` (and plotted traces) from finished jobs; ``policies`` lists
     each workload's (display name, spec). Under an SLO objective every workload's score is
-    goodput under the TPOT target (:func:`slo_goodput_tok_s`)."""
+    goodput under the TPOT target (:func:`slo_goodput_tok_s`). ``objectives`` gives some
+    workloads (by name) their own objective instead (a suite scenario's); they record it as
+    ``objective``."""
+    objectives = objectives or {}
     by: dict[tuple[str, str], list[_Job]] = {}
     for j in done:
         by.setdefault((j.workload.name, j.policy), []).append(j)
     workloads: dict[str, Any] = {}
     traces: dict[str, Any] = {}
     for w in suite:
-        metric = _score_metric(w) if objective == "throughput" else SLO_METRIC
+        w_obj = objectives.get(w.name, objective)
+        metric = _score_metric(w) if w_obj == "throughput" else SLO_METRIC
         entry: dict[str, Any] = {
             "family": w.family,
             "x": w.x,
@@ -546,11 +551,13 @@ def collect_workloads(
         }
         if w.deployment:
             entry["deployment"] = w.deployment
+        if w.name in objectives:
+            entry["objective"] = w_obj
         for name, _ in policies[w.name]:
             runs = sorted(by[(w.name, name)], key=lambda j: j.seed)
             stats: dict[str, Any] = {}
             keys = ["throughput_tok_s", "tpot_ms_mean", "tpot_ms_p99", "per_request_tok_s", "mean_depth"]
-            for key in keys + ([SLO_METRIC] if objective != "throughput" else []):
+            for key in keys + ([SLO_METRIC] if w_obj != "throughput" else []):
                 vals = [r.result[key] for r in runs]
                 m, lo, hi = ci95(vals)
                 stats[key] = {"mean": m, "ci95": [lo, hi], "values": vals}
@@ -619,6 +626,7 @@ def evaluate_suite(cfg: EvalConfig) -> Path:
     per_workload: dict[str, list[tuple[str, str]]] = {}
     missing_policies: dict[str, list[str]] = {}
     jobs: list[_Job] = []
+    own_objective: dict[str, str] = {}  # scenarios scored by their own objective
     capacities: dict[str, float] = {}
     cap_cache: dict[tuple[str, str], float] = {}
     for sc, params in runnable:
@@ -657,14 +665,17 @@ def evaluate_suite(cfg: EvalConfig) -> Path:
         workloads.append(w)
         per_workload[sc.name] = pols
         keep = sc.name == "llama8b/longmix-wave"
+        sc_objective = objective
+        if sc.objective is not None:
+            sc_objective = own_objective[sc.name] = str(parse_objective(sc.objective))
         jobs += [
             _Job(sim_json, w, name, pspec, depths, seed,
-                 keep_trace=keep and seed == seeds[0] and name in cfg.trace_policies, objective=objective)
+                 keep_trace=keep and seed == seeds[0] and name in cfg.trace_policies, objective=sc_objective)
             for name, pspec in pols
             for seed in seeds
         ]  # fmt: skip
     done = _run_all(jobs, cfg.jobs)
-    results_w, traces = collect_workloads(workloads, per_workload, done, objective)
+    results_w, traces = collect_workloads(workloads, per_workload, done, objective, own_objective)
     for name, absent in missing_policies.items():
         results_w[name]["missing_policies"] = absent
     cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}

@@ -144,12 +144,18 @@ def _fmt(stats: dict[str, Any], key: str, digits: int = 0) -> str:
 def _scores_line(results: dict[str, Any], open_loop: str) -> str:
     """What the scores are, by the run's objective (``results["objective"]``)."""
     objective = results.get("objective", "throughput")
+    own = sorted({w["objective"] for w in results.get("workloads", {}).values() if w.get("objective")})
+    also = (
+        f" Scenarios marked ({', '.join(own)}) are scored by their own objective: goodput under its TPOT target."
+        if own
+        else ""
+    )
     if objective == "throughput":
-        return f"Objective throughput. Scores: closed loop → throughput (tokens/s); open loop → {open_loop}."
+        return f"Objective throughput. Scores: closed loop → throughput (tokens/s); open loop → {open_loop}.{also}"
     target = objective.split(":", 1)[1]
     return (
         f"Objective {objective}. Scores: goodput under the TPOT target, tokens/s of the completed requests "
-        f"whose TPOT is at most {target} ms (the others count 0), closed and open loop alike."
+        f"whose TPOT is at most {target} ms (the others count 0), closed and open loop alike.{also}"
     )
 
 
@@ -512,7 +518,7 @@ def _suite_table(results: dict[str, Any], ratios: dict[str, Any]) -> list[str]:
         rc = realistic(w["policies"])
         hr = w.get("headroom")
         row = [
-            s,
+            f"{s} ({w['objective']})" if w.get("objective") else s,
             "yes" if w.get("shifting") else "",
             "yes" if w.get("overload") else "",
             f"{hr:.3f}" if hr is not None else "—",

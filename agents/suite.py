@@ -17,8 +17,10 @@ Scenarios whose deployment this checkout does not have (``h200-llama8b-longctx``
 ``h200-70b`` until the simulator-fidelity work lands them in ``env/deployments/``) are listed
 and reported as missing; once a deployment JSON of that name exists they run unchanged.
 
-Change a suite's scenarios only under a new name (``decisions-v2``): results are compared
-across commits by suite name.
+Change a suite's scenarios only under a new name: results are compared across commits by
+suite name. ``decisions-v2`` is ``decisions-v1`` plus scenarios that carry their own objective
+(goodput under a TPOT target, :attr:`Scenario.objective`), scored by it whatever
+``--objective`` says.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Scenario:
         overload: offered load exceeds capacity for part of the run.
         perturb: world drawn around the fit at this × the fit's standard errors.
         label: one line for the report.
+        objective: what the scenario is scored by, ``slo:TPOT_MS`` (:mod:`controller.objective`)
+            whatever ``--objective`` says; None (the ``decisions-v1`` scenarios): the run's.
     """
 
     name: str
@@ -56,6 +60,7 @@ class Scenario:
     overload: bool = False
     perturb: float = 1.0
     label: str = ""
+    objective: str | None = None
 
     @property
     def loop(self) -> str:
@@ -136,6 +141,24 @@ SUITES: dict[str, tuple[Scenario, ...]] = {
                  label="70B, open loop trickle → overload, task mix"),
     ),
 }  # fmt: skip
+
+# decisions-v2: decisions-v1 unchanged, plus scenarios scored by goodput under a TPOT target
+# whatever --objective says. 10 ms on h200-llama8b sits between depth 0's time per token at
+# C=64 (≈14.7 ms in the bad-drafter phases) and a good drafter's, so which requests stay on
+# target is a decision (docs/results.md, "An SLO-trained policy"). Their names differ from
+# their v1 twins', so their worlds (drawn from the name's salt) differ too.
+SUITES["decisions-v2"] = SUITES["decisions-v1"] + (
+    Scenario("llama8b/drafter-alt-c64-slo10", "h200-llama8b", f"phase:20:closed:64@{_ALT}", 60, True,
+             label="C=64, drafter quality −3 ↔ +1 logits; goodput under TPOT ≤ 10 ms", objective="slo:10"),
+    Scenario("llama8b/drafter-alt-c32-slo10", "h200-llama8b", f"phase:20:closed:32@{_ALT}", 60, True,
+             label="C=32, drafter quality −3 ↔ +1 logits; goodput under TPOT ≤ 10 ms", objective="slo:10"),
+    Scenario("llama8b/longdoc-phases-c16-slo10", "h200-llama8b",
+             "phase:30:closed:16@odd_long=0.8:8192-32000,accept_shift=0.55,odd_shift=-4.25", 60, True,
+             label="C=16, code ↔ long-document phases; goodput under TPOT ≤ 10 ms", objective="slo:10"),
+    Scenario("llama8b/wave-overload-slo10", "h200-llama8b", f"wave:{{0.03}},{{1.4}},60@{_TASKS}", 60, True, True,
+             label="open loop, trickle → 1.4× capacity → trickle; goodput under TPOT ≤ 10 ms",
+             objective="slo:10"),
+)  # fmt: skip
 
 
 def get_suite(name: str) -> tuple[Scenario, ...]:

@@ -103,6 +103,12 @@ class TrainConfig:
         objective: ``throughput`` or ``slo:TPOT_MS`` (:mod:`controller.objective`): what the
             ``objective`` reward counts (every token, or only the tokens of requests on their
             TPOT target; :class:`RegretReward`), stored in the zip for eval and serve.
+        slo_credit: how the ``objective`` reward credits an SLO objective: ``"step"`` (a step
+            counts for a request if its own time per token is on target) or ``"running"``
+            (each request's running TPOT: :class:`SloCredit`).
+        bc_slo_labels: under an SLO objective, the oracle's warm-start labels (with
+            ``bc_expert`` > 0): ``"step"`` or ``"projected"`` (each request's TPOT projected to
+            its end at the depth; :func:`projected_on_target_tokens`).
         progress: show a progress bar.
     """
 
@@ -140,6 +146,8 @@ class TrainConfig:
     bc_probe_depth: int = 2
     bc_probe_keep: float = 0.85
     objective: str = "throughput"
+    slo_credit: str = "step"
+    bc_slo_labels: str = "step"
     progress: bool = True
 
     @classmethod
@@ -161,6 +169,7 @@ class TrainConfig:
             ("reward", "reward"),
             ("drafter_mix", "drafter_mix"),
             ("objective", "objective"),
+            ("slo_credit", "slo_credit"),
         ):
             value = getattr(args, flag, None)
             if value is not None:
@@ -176,6 +185,8 @@ class TrainConfig:
         cfg = replace(cfg, objective=str(parse_objective(cfg.objective)))
         if cfg.objective != "throughput" and cfg.reward != "objective":
             raise ConfigError(f"--objective {cfg.objective} needs --reward objective, got --reward {cfg.reward}")
+        if cfg.slo_credit not in SLO_CREDITS:
+            raise ConfigError(f"--slo-credit must be one of {', '.join(SLO_CREDITS)}, got {cfg.slo_credit!r}")
         if not cfg.out.name.endswith(".zip"):
             raise ConfigError(f"--out must name a .zip file, got {str(cfg.out)!r}")
         return cfg
@@ -344,7 +355,105 @@ def on_target_tokens(engine: Any, depths: tuple[int, ...], times_us: np.ndarray,
     return out
 
 
+def on_target_emitted(engine: Any, tpot_ms: float) -> float:
+    """Tokens emitted so far by the running requests whose running TPOT is on target.
+
+    A request's running TPOT is ``(now − first token) / (emitted − 1)``; it is on target iff
+    ``now − t_first ≤ tpot_ms · (emitted − 1)`` (its slack, target time for the tokens after
+    the first minus the time they took, is ≥ 0; a request with one token so far has no TPOT
+    and is on target). At the step a request finishes, ``emitted`` is its output length and
+    ``now`` its finish time, so the running TPOT is the request's final TPOT: the test is
+    exactly :meth:`controller.objective.Objective.meets` on it. Ground truth (the simulator's
+    per-request state): for the reward only, never an observation.
+    """
+    from env.engine import OUT, TFIRST
+
+    n = int(engine.n)
+    if n == 0:
+        return 0.0
+    emitted = engine.S[:n, OUT] - engine.rem[:n]
+    elapsed_us = float(engine.now_us) - engine.S[:n, TFIRST]
+    ok = (elapsed_us <= tpot_ms * 1000.0 * (emitted - 1.0)) | (emitted <= 1.0)
+    return float(emitted[ok].sum())
+
+
+class SloCredit:
+    """The running-slack credit of goodput under a TPOT target (``slo_credit="running"``).
+
+    The potential ``Φ = Σ tokens of the completed requests that met the target + Σ tokens
+    emitted so far by the running requests whose running TPOT is on target``
+    (:func:`on_target_emitted`), and a step's credit is ``ΔΦ`` over it. Why this form:
+
+    - a running request on target earns its tokens as they come, so keeping it on target
+      across a phase pays step by step;
+    - the step that pushes its running TPOT over the target takes back every token it had
+      earned (``ΔΦ`` includes ``−emitted``): the eventual loss of the whole request, charged
+      where it happens rather than at its finish; a step that brings it back returns them;
+    - at its finish the running test is the final one, so a completed request keeps its
+      ``output_tokens`` iff it met the target and 0 otherwise.
+
+    Summed over an episode the credit telescopes to ``Φ(end) − Φ(start)``: the output
+    tokens of the requests completed in it that met the target (the numerator of the SLO
+    goodput that ``controller eval`` scores, :func:`agents.evaluate.slo_goodput_tok_s`) plus the
+    on-target tokens of the requests still running at the end (the boundary term, their
+    projected contribution), minus those of the requests running at the start.
+    """
+
+    def __init__(self, tpot_ms: float) -> None:
+        self.tpot_ms = tpot_ms
+        self._phi = 0.0
+        self._done_i = 0
+        self._met = 0.0
+
+    def reset(self, engine: Any) -> None:
+        """Start counting from the engine's current state (Φ here is the zero)."""
+        self._done_i = len(engine.completed)
+        self._met = 0.0
+        self._phi = on_target_emitted(engine, self.tpot_ms)
+
+    def step(self, engine: Any) -> float:
+        """The credit of the step(s) the engine ran since the last call: ``ΔΦ`` in tokens."""
+        done = engine.completed
+        budget_ms = self.tpot_ms
+        for r in done[self._done_i :]:
+            if r.tpot_ms <= budget_ms:
+                self._met += r.output_tokens
+        self._done_i = len(done)
+        phi = self._met + on_target_emitted(engine, budget_ms)
+        credit = phi - self._phi
+        self._phi = phi
+        return credit
+
+
+def projected_on_target_tokens(
+    engine: Any, depths: tuple[int, ...], times_us: np.ndarray, tpot_ms: float
+) -> np.ndarray:
+    """Per depth d, the true expected tokens of the next step from the requests whose TPOT
+    would end on target if every step left ran at d: projected finish ``now + rem_i ·
+    T_d / e_i(d)``, projected TPOT ``(finish − t_first) / (output − 1) ≤ tpot_ms``. Unlike
+    :func:`on_target_tokens` a request's past slack counts, and a depth that is slow per step
+    but keeps a request on target over its life does too. Ground truth (true output lengths
+    and acceptance): for the warm start's oracle labels only, never an observation."""
+    from env.engine import OUT, TFIRST
+
+    out = np.zeros(len(depths))
+    n = int(engine.n)
+    if n == 0:
+        return out
+    total = engine.S[:n, OUT]
+    rem = engine.rem[:n].astype(np.float64)
+    t_first = np.where(engine.S[:n, TFIRST] >= 0, engine.S[:n, TFIRST], float(engine.now_us))
+    for i, (d, t_us) in enumerate(zip(depths, times_us)):
+        e = engine.expected_tokens_each(d)
+        finish = float(engine.now_us) + rem * t_us / np.maximum(e, 1e-9)
+        ok = (finish - t_first <= tpot_ms * 1000.0 * (total - 1.0)) | (total <= 1.0)
+        out[i] = float(e[ok].sum())
+    return out
+
+
 REWARDS = ("objective", "regret", "extra-tokens")
+SLO_CREDITS = ("step", "running")
+SLO_LABELS = ("step", "projected")
 
 
 class RegretReward(gym.Wrapper):
@@ -371,6 +480,17 @@ class RegretReward(gym.Wrapper):
       throughput rate, so a target no depth meets prices time rather than dividing by zero).
       Summed over an episode: on-target tokens − ρ̄ × request-seconds, the Dinkelbach form of
       goodput under the SLO. ``info["rates"]`` are then on-target rates too.
+
+      With ``slo_credit="running"`` the tokens are instead the realised :class:`SloCredit`
+      of the step that ran (``ΔΦ``: tokens earned by requests whose running TPOT stays on
+      target, minus every token earned so far by a request the step pushed over it) and the
+      request-time its realised duration (``bs·busy``): summed over an episode, the tokens of
+      the requests that met the target (plus the on-target tokens of those still running) −
+      ρ̄ × request-seconds, the Dinkelbach form of the SLO goodput eval scores rather than of
+      its per-step stand-in. Its reference rate is the policy's own recent goodput per
+      request-second (:meth:`_running_step` says why); ``W̄`` and ``info["rates"]`` (the
+      oracle's share of the warm start's labels, ``bc_expert``) stay the stand-in's: the warm
+      start does not see the objective's running slack.
     - ``regret``: ``rate_d / max_k rate_k`` at the decision, immediate (γ = 0; the earlier
       method).
     - ``extra-tokens``: SpecDecode-v0's own reward (an ablation).
@@ -380,15 +500,27 @@ class RegretReward(gym.Wrapper):
         reward: one of :data:`REWARDS`.
         use_env_reward: deprecated spelling of ``reward="extra-tokens"``.
         objective: ``throughput`` or ``slo:TPOT_MS`` (:mod:`controller.objective`).
+        slo_credit: under an SLO objective, ``"step"`` (the per-step stand-in) or
+            ``"running"`` (:class:`SloCredit`); ignored for throughput.
+        slo_labels: under an SLO objective, what ``info["rates"]`` (the oracle's labels for
+            the warm start, ``bc_expert``) count: ``"step"`` (:func:`on_target_tokens`) or
+            ``"projected"`` (:func:`projected_on_target_tokens`); the reward is unchanged.
     """
 
     RHO_ALPHA = 1.0 / 256.0
     W_ALPHA = 1.0 / 64.0
 
     RHO_FLOOR = 0.05
+    RHO_PRIOR_STEPS = 16
 
     def __init__(
-        self, env: gym.Env, use_env_reward: bool = False, reward: str = "regret", objective: str = "throughput"
+        self,
+        env: gym.Env,
+        use_env_reward: bool = False,
+        reward: str = "regret",
+        objective: str = "throughput",
+        slo_credit: str = "step",
+        slo_labels: str = "step",
     ) -> None:
         super().__init__(env)
         from controller.objective import parse_objective
@@ -397,6 +529,14 @@ class RegretReward(gym.Wrapper):
         if self.reward_kind not in REWARDS:
             raise ConfigError(f"reward must be one of {', '.join(REWARDS)}, got {reward!r}")
         self.objective = parse_objective(objective)
+        if slo_credit not in SLO_CREDITS:
+            raise ConfigError(f"slo_credit must be one of {', '.join(SLO_CREDITS)}, got {slo_credit!r}")
+        if slo_labels not in SLO_LABELS:
+            raise ConfigError(f"slo_labels must be one of {', '.join(SLO_LABELS)}, got {slo_labels!r}")
+        self._projected = self.objective.tpot_ms is not None and slo_labels == "projected"
+        self._credit: SloCredit | None = None
+        if self.objective.tpot_ms is not None and slo_credit == "running":
+            self._credit = SloCredit(self.objective.tpot_ms)
         sim: Any = env.unwrapped
         self._sim = sim
         self.depths: tuple[int, ...] = tuple(sim.depths)
@@ -407,6 +547,9 @@ class RegretReward(gym.Wrapper):
         self._rho = 0.0
         self._w = 0.0
         self._floor = 0.0
+        self._credit_ema = 0.0  # slo_credit="running": EMAs of ΔΦ and of request-seconds
+        self._cost_ema = 0.0
+        self._credit_k = 0
 
     def _observe(self, info: dict[str, Any]) -> None:
         eng = self._sim.engine
@@ -419,6 +562,9 @@ class RegretReward(gym.Wrapper):
             self._tokens = on_target_tokens(eng, self.depths, self._times, self.objective.tpot_ms)
         self._rates = self._tokens * inv_s
         info["rates"] = self._rates
+        if self._projected and self.objective.tpot_ms is not None:
+            proj = projected_on_target_tokens(eng, self.depths, self._times, self.objective.tpot_ms)
+            info["rates"] = proj * inv_s
         best = int(np.argmax(self._rates))
         req_time = n * self._times[best]
         if n > 0 and self._w <= 0.0:
@@ -429,6 +575,10 @@ class RegretReward(gym.Wrapper):
     def reset(self, **kwargs: Any):
         obs, info = self.env.reset(**kwargs)
         self._rho = self._w = 0.0
+        self._credit_ema = self._cost_ema = 0.0
+        self._credit_k = 0
+        if self._credit is not None:
+            self._credit.reset(self._sim.engine)
         self._observe(info)
         return obs, info
 
@@ -436,6 +586,8 @@ class RegretReward(gym.Wrapper):
         a = int(action)
         rates, n = self._rates, self._n
         best = rates.max()
+        if self._credit is not None and self.reward_kind == "objective":
+            return self._running_step(action, rates, n)
         if self.reward_kind == "objective":
             if n > 0 and self._w > 0:
                 cost = n * self._times[a] * 1e-6  # request-seconds
@@ -450,6 +602,40 @@ class RegretReward(gym.Wrapper):
         obs, env_reward, terminated, truncated, info = self.env.step(action)
         if self.reward_kind == "extra-tokens":
             reward = float(env_reward)
+        self._observe(info)
+        return obs, reward, terminated, truncated, info
+
+    def _running_step(self, action: Any, rates: np.ndarray, n: int):
+        """The ``slo_credit="running"`` objective reward: realised ``(ΔΦ − ρ·bs·busy) / (ρ·W̄)``.
+
+        ``ρ`` here is the policy's own recent goodput per request-second (a running mean, then
+        an EMA over about 256 steps, of credit over request-seconds, starting from the
+        stand-in's ``ρ̄`` weighed as 16 steps; floored as ``ρ̄`` is): the Dinkelbach iteration's ``ρ_{k+1} = G(π_k)/T(π_k)``.
+        Not the stand-in's best on-target rate, which counts a step for every request whose
+        own step is fast and so can sit far above any goodput reachable over a request's
+        life (8× on h200-llama8b at C=64 under 10 ms): a ``ρ`` above every policy's ratio
+        makes ``Σ(ΔΦ − ρ·cost)`` favour whatever spends the least time per step, not the most
+        goodput per time."""
+        assert self._credit is not None
+        obs, _, terminated, truncated, info = self.env.step(action)
+        eng = self._sim.engine
+        credit = self._credit.step(eng)
+        reward = 0.0
+        if self._w > 0:
+            cost = int(info["step"].bs) * float(eng.last_busy_us) * 1e-6  # request-seconds
+            if self._cost_ema <= 0.0:
+                self._cost_ema = self._w * 1e-6
+                self._credit_ema = max(self._rho, self._floor) * self._cost_ema
+            rho = max(self._credit_ema / self._cost_ema, self._floor)
+            reward = float((credit - rho * cost) / (rho * self._w * 1e-6))
+            # A running mean over the first steps (the stand-in's ρ̄ weighs as 16 of them),
+            # then an EMA: the stand-in can be far off, and episodes are 1024 steps.
+            self._credit_k += 1
+            alpha = max(self.RHO_ALPHA, 1.0 / (self._credit_k + self.RHO_PRIOR_STEPS))
+            self._credit_ema += alpha * (credit - self._credit_ema)
+            self._cost_ema += alpha * (cost - self._cost_ema)
+            if n > 0:
+                self._w += self.W_ALPHA * (n * self._times[int(np.argmax(rates))] - self._w)
         self._observe(info)
         return obs, reward, terminated, truncated, info
 
@@ -508,7 +694,9 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig, table: np.ndar
         episode_steps=cfg.episode_steps,
     )
     wrapped: gym.Env = ModelFeatures(env, table) if table is not None else env
-    return RegretReward(wrapped, reward=cfg.reward, objective=cfg.objective)
+    return RegretReward(
+        wrapped, reward=cfg.reward, objective=cfg.objective, slo_credit=cfg.slo_credit, slo_labels=cfg.bc_slo_labels
+    )
 
 
 # --------------------------------------------------------------------------- warm start
@@ -776,6 +964,7 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         "source": source,
         "reward": cfg.reward,
         "objective": cfg.objective,
+        "slo_credit": cfg.slo_credit,
         "warm_start_rounds": cfg.bc_rounds,
     }
     meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra, model_table=table, objective=cfg.objective)
@@ -829,7 +1018,7 @@ def _report(
         f"- domain randomization ×{cfg.randomize} of the fit's standard errors; drafter of random quality in "
         f"{cfg.drafter_mix:.0%} of episodes; {cfg.n_workloads} workloads; "
         f"action delay {cfg.delay[0]}–{cfg.delay[1]} steps",
-        f"- objective: {cfg.objective}",
+        f"- objective: {cfg.objective}" + (f" (SLO credit: {cfg.slo_credit})" if cfg.objective != "throughput" else ""),
         f"- wall time {wall:.0f} s (warm start {t_bc:.0f} s, PPO {wall - t_bc:.0f} s for {cfg.timesteps} steps)",
         "",
         {
@@ -861,4 +1050,13 @@ def _report(
     return "\n".join(lines)
 
 
-__all__ = ["TrainConfig", "TrainResult", "capacity_req_s", "make_env", "train", "workload_pool"]
+__all__ = [
+    "SloCredit",
+    "TrainConfig",
+    "TrainResult",
+    "capacity_req_s",
+    "make_env",
+    "on_target_emitted",
+    "train",
+    "workload_pool",
+]

@@ -184,3 +184,37 @@ def test_suite_eval_reports_headroom_shifting_and_missing_deployments(tmp_path, 
     text = report.read_text()
     assert "Robustness across the suite" in text and "t/absent" in text
     assert (tmp_path / "out" / "suite_ratios.png").exists()
+
+
+def test_decisions_v2_is_v1_unchanged_plus_scenarios_with_their_own_slo():
+    v1, v2 = get_suite("decisions-v1"), get_suite("decisions-v2")
+    assert v2[: len(v1)] == v1  # v1's results stay comparable: same scenarios, names, salts
+    assert all(s.objective is None for s in v1)
+    extra = v2[len(v1) :]
+    assert extra and all(s.objective is not None and s.objective.startswith("slo:") for s in extra)
+    from controller.objective import parse_objective
+
+    for s in extra:
+        assert parse_objective(s.objective).is_slo and "slo" in s.name
+
+
+def test_a_scenario_with_its_own_objective_is_scored_by_it(tmp_path, monkeypatch):
+    tiny = (
+        Scenario("t/c8", "h200-llama8b", "closed:8", 4, False),
+        Scenario("t/c8-slo", "h200-llama8b", "closed:8", 4, False, objective="slo:8"),
+    )
+    monkeypatch.setitem(suite_mod.SUITES, "tiny-slo", tiny)
+    cfg = EvalConfig(suite="tiny-slo", baselines="static:0,static:3", out=tmp_path / "out", seeds=1)
+    report = evaluate(cfg)
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["objective"] == "throughput"
+    plain, slo = res["workloads"]["t/c8"], res["workloads"]["t/c8-slo"]
+    assert plain["score_metric"] == "throughput_tok_s" and "objective" not in plain
+    assert slo["score_metric"] == "slo_goodput_tok_s" and slo["objective"] == "slo:8"
+    for p in ("static:0", "static:3"):
+        assert "slo_goodput_tok_s" not in plain["policies"][p]
+        s = slo["policies"][p]
+        assert s["score"] == s["slo_goodput_tok_s"] and s["score"]["mean"] <= s["throughput_tok_s"]["mean"]
+    # h200-llama8b at C=8: depth 0 takes more than 8 ms a token, a good drafter less.
+    assert slo["policies"]["static:0"]["score"]["mean"] < slo["policies"]["static:3"]["score"]["mean"]
+    assert "t/c8-slo (slo:8)" in report.read_text()
