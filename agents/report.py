@@ -341,6 +341,12 @@ def _best(w: dict[str, Any], names: list[str]) -> str:
     return max(names, key=lambda p: w["policies"][p]["score"]["mean"])
 
 
+def _ratio_cell(ratios: dict[str, float], key: str) -> str:
+    """One ratio for a table, or "—" where the run had nothing to divide by (no baselines)."""
+    v = ratios.get(key)
+    return "—" if v is None else f"{v:.3f}"
+
+
 def suite_ratios(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
     """scenario → policy → ratios of mean scores: ``best_realistic``, ``best_static``,
     ``static0``, ``oracle``, ``goodput-exact`` (the ones that exist)."""
@@ -402,7 +408,7 @@ def check_suite_targets(results: dict[str, Any], learned: str = "ppo") -> list[d
     add("PPO / every realistic baseline, worst scenario", v, 0.99, f"at {s}")
     hard = [x for x in have if wls[x].get("shifting") or wls[x].get("overload")]
     if hard:
-        vals = [ratios[x][learned]["best_realistic"] for x in hard]
+        vals = [ratios[x][learned].get("best_realistic", float("nan")) for x in hard]
         v, s = worst("best_realistic", hard)
         add(
             "shifting/overload scenarios: PPO / best realistic baseline, worst",
@@ -526,7 +532,7 @@ def _suite_table(results: dict[str, Any], ratios: dict[str, Any]) -> list[str]:
             _best(w, rc) if rc else "—",
         ]
         for p in learned:
-            row.append(f"{ratios[s][p]['best_static']:.3f}" if p in ratios[s] else "—")
+            row.append(_ratio_cell(ratios[s].get(p, {}), "best_static"))
         for p in learned:
             if p in ratios[s] and rc:
                 _, lo, hi = paired_ratio(w, p, _best(w, rc))
@@ -534,7 +540,7 @@ def _suite_table(results: dict[str, Any], ratios: dict[str, Any]) -> list[str]:
             else:
                 row.append("—")
         for p in [*[p for p in comp if not p.startswith("static:")], *REFERENCES]:
-            row.append(f"{ratios[s][p]['best_realistic']:.3f}" if p in ratios[s] else "—")
+            row.append(_ratio_cell(ratios[s].get(p, {}), "best_realistic"))
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     return lines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,3 +219,20 @@ def test_a_scenario_with_its_own_objective_is_scored_by_it(tmp_path, monkeypatch
     # h200-llama8b at C=8: depth 0 takes more than 8 ms a token, a good drafter less.
     assert slo["policies"]["static:0"]["score"]["mean"] < slo["policies"]["static:3"]["score"]["mean"]
     assert "t/c8-slo (slo:8)" in report.read_text()
+
+
+def test_suite_eval_with_a_policy_and_no_baselines_reports_dashes(tmp_path, monkeypatch):
+    # A user timing only their zip must get a report, with "—" where no competitor ran.
+    monkeypatch.setitem(suite_mod.SUITES, "solo", (Scenario("t/c4", "seed", "closed:4", 6, False),))
+    cfg = EvalConfig(
+        suite="solo",
+        baselines="none",
+        policies=(str(Path(__file__).resolve().parents[1] / "agents" / "bundled" / "{deployment}" / "ppo.zip"),),
+        out=tmp_path / "out",
+        seeds=1,
+    )
+    text = evaluate(cfg).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| t/c4"))
+    assert "—" in row
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(res["workloads"]["t/c4"]["policies"]) == {"ppo"}
