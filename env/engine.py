@@ -382,15 +382,15 @@ class Engine:
 
     # ------------------------------------------------------------------ oracle access
 
-    def expected_tokens(self, depth: int) -> float:
-        """TRUE expected tokens the current batch emits in one step at ``depth`` (ground
-        truth: reads true acceptance and output lengths; never an observation)."""
+    def _expected_terms(self, depth: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Per running request: the token every step emits (``min(1, rem)``) and, for
+        ``depth > 0``, ``P(accept ≥ j)`` for j = 1..depth (0 past the request's remaining
+        output). Ground truth: true acceptance and output lengths; never an observation."""
         n = self.n
-        if n == 0:
-            return 0.0
         rem = self.rem[:n].astype(np.float64)
-        if depth == 0:
-            return float(np.minimum(1.0, rem).sum())
+        first = np.minimum(1.0, rem)
+        if depth == 0 or n == 0:
+            return first, None
         x = self.xoff[:n] + self.drift
         ap = self.params.acceptance
         if ap.ctx_logit > 0.0:
@@ -399,29 +399,23 @@ class Engine:
         logits = self._base[:depth] + x[:, None]
         reach = np.cumprod(1.0 / (1.0 + np.exp(-logits)), axis=1)  # P(accept >= j), j = 1..depth
         j = np.arange(1, depth + 1)
-        reach = np.where(j[None, :] <= (rem - 1.0)[:, None], reach, 0.0)
-        return float(np.minimum(1.0, rem).sum() + reach.sum())
+        return first, np.where(j[None, :] <= (rem - 1.0)[:, None], reach, 0.0)
+
+    def expected_tokens(self, depth: int) -> float:
+        """TRUE expected tokens the current batch emits in one step at ``depth`` (ground
+        truth: reads true acceptance and output lengths; never an observation)."""
+        if self.n == 0:
+            return 0.0
+        first, reach = self._expected_terms(depth)
+        return float(first.sum() if reach is None else first.sum() + reach.sum())
 
     def expected_tokens_each(self, depth: int) -> np.ndarray:
         """TRUE expected tokens of each running request in one step at ``depth`` (the terms
         :meth:`expected_tokens` sums; ground truth, never an observation)."""
-        n = self.n
-        if n == 0:
+        if self.n == 0:
             return np.zeros(0)
-        rem = self.rem[:n].astype(np.float64)
-        first = np.minimum(1.0, rem)
-        if depth == 0:
-            return first
-        x = self.xoff[:n] + self.drift
-        ap = self.params.acceptance
-        if ap.ctx_logit > 0.0:
-            seq_len = self.S[:n, PROMPT] + self.S[:n, OUT] - rem
-            x = x - ap.ctx_logit * np.log(np.maximum(seq_len / ap.ctx_ref_tokens, 1.0))
-        logits = self._base[:depth] + x[:, None]
-        reach = np.cumprod(1.0 / (1.0 + np.exp(-logits)), axis=1)
-        j = np.arange(1, depth + 1)
-        reach = np.where(j[None, :] <= (rem - 1.0)[:, None], reach, 0.0)
-        return first + reach.sum(axis=1)  # type: ignore[no-any-return]
+        first, reach = self._expected_terms(depth)
+        return first if reach is None else first + reach.sum(axis=1)
 
     def expected_rate(self, depth: int) -> float:
         """TRUE expected tokens/s of the next step at ``depth`` for the current batch, using
