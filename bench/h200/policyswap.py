@@ -185,31 +185,43 @@ class ControllerSwap:
             start_new_session=True,
         )  # fmt: skip
         self.current = policy
-        while not self._said("serving "):  # both controllers print it once bound and ready
-            if self._proc.poll() is not None:
-                swap.why = f"exited rc={self._proc.returncode}: {self._tail()}"
-                return self._done(swap)
-            if time.monotonic() - tic > start_timeout_s:
-                swap.why = f"not serving after {start_timeout_s:.0f} s: {self._tail()}"
-                return self._done(swap)
-            time.sleep(0.05)
+        # Both controllers print "serving " once bound and ready.
+        if not self._wait(swap, ("serving ",), start_timeout_s, "not serving", lambda: time.sleep(0.05)):
+            return self._done(swap)
         swap.start_s = round(time.monotonic() - tic, 2)
         hello_tic = time.monotonic()
-        while not self._said("hello from", "hello again from"):
-            if self._proc.poll() is not None:
-                swap.why = f"exited rc={self._proc.returncode}: {self._tail()}"
-                return self._done(swap)
-            if time.monotonic() - hello_tic > hello_timeout_s:
-                swap.why = f"no hello from the hook after {hello_timeout_s:.0f} s: {self._tail()}"
-                return self._done(swap)
+
+        def poke() -> None:
             self.poke()
             swap.pokes += 1
+
+        if not self._wait(
+            swap, ("hello from", "hello again from"), hello_timeout_s, "no hello from the hook", poke
+        ):
+            return self._done(swap)
         swap.hello_s = round(time.monotonic() - hello_tic, 2)
         self.poke()  # decisions now flow: the first one answered a step, not a hello
         swap.pokes += 1
         swap.live = self.live = True
         swap.why = "live"
         return self._done(swap)
+
+    def _wait(
+        self, swap: Swap, needles: tuple[str, ...], timeout_s: float, what: str, between: Callable[[], object]
+    ) -> bool:
+        """Until the controller's log says one of ``needles``: ``between()`` meanwhile. False,
+        with ``swap.why`` set, when the controller exits or ``timeout_s`` passes first."""
+        assert self._proc is not None
+        tic = time.monotonic()
+        while not self._said(*needles):
+            if self._proc.poll() is not None:
+                swap.why = f"exited rc={self._proc.returncode}: {self._tail()}"
+                return False
+            if time.monotonic() - tic > timeout_s:
+                swap.why = f"{what} after {timeout_s:.0f} s: {self._tail()}"
+                return False
+            between()
+        return True
 
     def _done(self, swap: Swap) -> Swap:
         self.history.append(swap)
