@@ -171,6 +171,20 @@ def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
     return step_times_us(lp, bs, depth, ctx, pf)
 
 
+def scale_classes(
+    lp: LatencyParams, classes: tuple[tuple[str, tuple[str, ...]], ...], log_scales: Any, terms: dict[str, float]
+) -> LatencyParams:
+    """``lp`` with every coefficient of ``classes[i]`` (a name and its coefficients) scaled by
+    ``exp(log_scales[i])`` and the absolute ``terms`` set: the parameter map of the fits to
+    traces (:func:`fit_step_latency`, ``env.deployments.build.fit_to_server``)."""
+    changes: dict[str, Any] = {}
+    for (_, names), lz in zip(classes, log_scales):
+        for n in names:
+            changes[n] = getattr(lp, n) * float(np.exp(lz))
+    changes.update(terms)
+    return replace(lp, **changes)
+
+
 def fit_step_latency(
     lp: LatencyParams, steps: list[Step], overheads_only: bool = False, verify_seq: bool = False
 ) -> LatencyParams:
@@ -203,18 +217,12 @@ def fit_step_latency(
         ("v0_seq_us", 10.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
         ("verify_seq_us", 10.0, verify_seq and bool(np.any(depth > 0))),
     ]
-    groups = list(_GROUPS.items())
+    groups = tuple(_GROUPS.items())
     ng = len(groups)
 
     def make(z: np.ndarray) -> LatencyParams:
-        changes: dict[str, Any] = {}
-        for (_, names), lz in zip(groups, z[:ng]):
-            for n in names:
-                changes[n] = getattr(lp, n) * float(np.exp(lz))
-        for (name, unit, active), v in zip(over, z[ng:]):
-            if active:
-                changes[name] = float(v * unit)
-        return replace(lp, **changes)
+        terms = {name: float(v * unit) for (name, unit, active), v in zip(over, z[ng:]) if active}
+        return scale_classes(lp, groups, z[:ng], terms)
 
     def resid(z: np.ndarray) -> np.ndarray:
         # Bounded: a wild trial point must not turn into inf/NaN (which stalls the SVD).

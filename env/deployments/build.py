@@ -166,6 +166,7 @@ def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_s
     """
     from scipy.optimize import least_squares
 
+    from env.fit import scale_classes
     from env.latency import step_times_us
 
     bs, depth, ctx, us = server_steps(traces)
@@ -178,13 +179,8 @@ def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_s
     ng = len(SERVER_CLASSES)
 
     def make(z: np.ndarray) -> LatencyParams:
-        changes: dict[str, Any] = {}
-        for (_, names), lz in zip(SERVER_CLASSES, z[:ng]):
-            for n in names:
-                changes[n] = getattr(lp, n) * float(np.exp(lz))
-        for (n, unit), v in zip(SERVER_TERMS, z[ng:]):
-            changes[n] = float(v * unit)
-        return replace(lp, **changes)
+        terms = {n: float(v * unit) for (n, unit), v in zip(SERVER_TERMS, z[ng:])}
+        return scale_classes(lp, SERVER_CLASSES, z[:ng], terms)
 
     def resid(z: np.ndarray) -> np.ndarray:
         m = make(z)
@@ -195,8 +191,9 @@ def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_s
     z0 = np.concatenate([np.zeros(ng), [0.3, 1.0, 0.2, 1.0, lp.dec_fix_us / 10.0, 0.0]])
     lo = np.concatenate([np.full(ng, -5.0), np.zeros(len(SERVER_TERMS))])
     hi = np.concatenate([np.full(ng, 5.0), np.full(len(SERVER_TERMS), 1e4)])
-    lo[1] = np.log(W_FLOOR_US_8B / lp.w_us)
-    lo[2] = np.log(F_FLOOR_US_8B / lp.f_us_per_tok)
+    classes = [name for name, _ in SERVER_CLASSES]
+    lo[classes.index("weights")] = np.log(W_FLOOR_US_8B / lp.w_us)
+    lo[classes.index("per_token")] = np.log(F_FLOOR_US_8B / lp.f_us_per_tok)
     z0 = np.clip(z0, lo, hi)
     sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=200, x_scale="jac")
     out = make(sol.x)
