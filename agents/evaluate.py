@@ -123,8 +123,6 @@ class EvalConfig:
         if self.depths is not None and (not self.depths or self.depths[0] < 0):
             raise ConfigError(f"--depths must be non-negative, got {list(self.depths)}")
         if self.objective is not None:
-            from controller.objective import parse_objective
-
             parse_objective(self.objective)
         if not (self.perturb >= 0 and math.isfinite(self.perturb)):
             raise ConfigError(f"--perturb must be >= 0, got {self.perturb}")

@@ -400,7 +400,10 @@ class SloCredit:
     """
 
     def __init__(self, tpot_ms: float) -> None:
+        from controller.objective import Objective
+
         self.tpot_ms = tpot_ms
+        self._objective = Objective(tpot_ms)  # its `meets` is the eval's test of a finished request
         self._phi = 0.0
         self._done_i = 0
         self._met = 0.0
@@ -414,12 +417,11 @@ class SloCredit:
     def step(self, engine: Any) -> float:
         """The credit of the step(s) the engine ran since the last call: ``ΔΦ`` in tokens."""
         done = engine.completed
-        budget_ms = self.tpot_ms
         for r in done[self._done_i :]:
-            if r.tpot_ms <= budget_ms:
+            if self._objective.meets(r.tpot_ms):
                 self._met += r.output_tokens
         self._done_i = len(done)
-        phi = self._met + on_target_emitted(engine, budget_ms)
+        phi = self._met + on_target_emitted(engine, self.tpot_ms)
         credit = phi - self._phi
         self._phi = phi
         return credit
