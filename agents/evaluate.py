@@ -222,6 +222,16 @@ def load_sim(sim: Path | None, deployment: str | None):
     return load_deployment(deployment)
 
 
+def model_goodput(name: str, depths: tuple[int, ...], latency: Any) -> Policy:
+    """Goodput whose step cost per depth is a latency model's ``step_time_us`` (``latency``: a
+    :class:`~env.latency.LatencyParams`): ``goodput-fit`` with a fit's model, ``goodput-exact``
+    with the world's; ``bench/h200/serve_goodput_fit.py`` serves the former live."""
+    from controller.baselines import GoodputPolicy
+    from env.latency import step_time_us
+
+    return GoodputPolicy(name, depths, latency_fn=lambda d, bs, ctx: step_time_us(latency, bs, d, ctx))
+
+
 def _build_policy(spec: str, depths: tuple[int, ...], params: Any, world: Any = None) -> Policy:
     """A policy from an eval spec, for a run on ``world`` (default: ``params``) whose fit is
     ``params``: ``oracle`` (reads the engine), ``goodput-exact`` (the world's own latency model:
@@ -234,11 +244,7 @@ def _build_policy(spec: str, depths: tuple[int, ...], params: Any, world: Any = 
 
         return OraclePolicy(depths)
     if spec in ("goodput-exact", "goodput-fit"):
-        from controller.baselines import GoodputPolicy
-        from env.latency import step_time_us
-
-        lat = (world if spec == "goodput-exact" else params).latency
-        return GoodputPolicy(spec, depths, latency_fn=lambda d, bs, ctx: step_time_us(lat, bs, d, ctx))
+        return model_goodput(spec, depths, (world if spec == "goodput-exact" else params).latency)
     if spec.endswith(".zip"):
         return make_factory(spec, depths)(depths)
     name = spec[len("builtin:") :] if spec.startswith("builtin:") else spec
@@ -707,6 +713,7 @@ __all__ = [
     "evaluate_suite",
     "headroom",
     "load_sim",
+    "model_goodput",
     "resolve_objective",
     "run_job",
     "slo_goodput_tok_s",

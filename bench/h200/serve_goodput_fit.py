@@ -25,11 +25,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from controller.baselines import GoodputPolicy  # noqa: E402
+from agents.evaluate import model_goodput  # noqa: E402
 from controller.errors import ControllerError  # noqa: E402
 from controller.policy import Policy  # noqa: E402
 from controller.service import ServeConfig, Server  # noqa: E402
-from env.latency import LatencyParams, step_time_us  # noqa: E402
+from env.latency import LatencyParams  # noqa: E402
 from env.params import SimParams  # noqa: E402
 
 log = logging.getLogger("controller.service")
@@ -45,8 +45,7 @@ class GoodputFit:
         self.latency = latency
 
     def __call__(self, depths: tuple[int, ...]) -> Policy:
-        lat = self.latency
-        return GoodputPolicy(NAME, depths, latency_fn=lambda d, bs, ctx: step_time_us(lat, bs, d, ctx))
+        return model_goodput(NAME, depths, self.latency)  # the eval's goodput-fit, one definition
 
 
 def main(argv: list[str] | None = None) -> int:
