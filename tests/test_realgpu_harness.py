@@ -338,3 +338,15 @@ def test_report_identity_and_duplicate_reps(tmp_path: Path) -> None:
     write_csv(tmp_path / "a", [("closed", 1, "plain", 1, 10, 1)])
     write_csv(tmp_path / "b", [("closed", 1, "plain", 1, 11, 1)])
     assert realgpu_report.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+
+
+def test_report_refuses_calls_from_different_gpus(tmp_path: Path) -> None:
+    for name, gpu, rep in (("h200", "NVIDIA H200", 1), ("h100", "NVIDIA H100 80GB HBM3", 2)):
+        write_csv(tmp_path / name, [("closed", 1, "plain", rep, 10, 1)])
+        book = {"device": {"nvidia_smi": f"{gpu}, 580.159.04, 81559 MiB"}, "points": []}
+        (tmp_path / name / "offswitch.json").write_text(json.dumps(book))
+    assert realgpu_report.read_devices([tmp_path / "h100"]) == {
+        str(tmp_path / "h100"): "NVIDIA H100 80GB HBM3"
+    }
+    assert realgpu_report.main([str(tmp_path / "h200"), str(tmp_path / "h100")]) == 2
+    assert realgpu_report.main([str(tmp_path / "h100")]) == 0

@@ -17,7 +17,8 @@ at that workload and C), each taken per repetition. Criteria, for each controlle
   failed      no failed request in any row (every policy, every workload)
   identity    greedy outputs of every request equal to ``plain``'s (from ``out_hash``)
 
-A criterion with nothing to judge (a workload not measured) says ``n/a``, never ``yes``.
+A criterion with nothing to judge (a workload not measured) says ``n/a``, never ``yes``. Calls
+measured on different GPUs (``offswitch.json``'s ``device``) are refused: report each apart.
 
 Usage: python bench/h200/realgpu_report.py CALL_DIR... [--csv merged.csv] [--md table.md]
 """
@@ -72,6 +73,17 @@ def read_hashes(paths: Iterable[Path]) -> dict[tuple[str, int, int, str], list[s
         for pt in json.loads(f.read_text()).get("points", []):
             if "out_hash" in pt and pt["workload"].startswith(MEASURED):
                 out[(pt["workload"], int(pt["concurrency"]), int(pt["rep"]), pt["policy"])] = pt["out_hash"]
+    return out
+
+
+def read_devices(paths: Iterable[Path]) -> dict[str, str]:
+    """Per call folder, the GPU its ``offswitch.json`` names (``nvidia-smi``'s first field)."""
+    out: dict[str, str] = {}
+    for p in paths:
+        f = p / "offswitch.json" if p.is_dir() else p.with_name("offswitch.json")
+        if f.exists():
+            smi = str(json.loads(f.read_text()).get("device", {}).get("nvidia_smi", ""))
+            out[str(p)] = smi.split(",")[0].strip() or "unknown"
     return out
 
 
@@ -275,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     if dup:
         print(f"realgpu_report: error: repetitions measured twice (give each call its own --first-rep): {dup[:5]}",
               file=sys.stderr)  # fmt: skip
+        return 2
+    gpus = read_devices(args.calls)
+    if len(set(gpus.values())) > 1:  # an H100's ratios are not an H200's: one table per device
+        print(f"realgpu_report: error: calls from different GPUs, report them apart: {gpus}", file=sys.stderr)
         return 2
     crit = criteria(rows, read_hashes(args.calls))
     md = markdown(rows, crit)
