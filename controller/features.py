@@ -24,7 +24,8 @@ feature                    meaning
 ``prefill``                log1p(EMA of prefill_tokens per step) / log1p(8192)
 ``step_ms``                log1p(EMA of step_us / 1000) / log1p(1000)
 ``bs_trend``               fast − slow EMA of the ``bs`` feature
-``accept_trend``           fast − slow EMA of mean accepted fraction (accept / depth)
+``accept_trend``           fast − slow EMA of mean accepted fraction (accept / depth); while
+                           nothing is drafted it fades to 0 as the acceptance evidence ages
 ``spec_staleness``         1 − exp(−steps since the last step with depth > 0 / 50)
 ``depth=k`` (k ∈ D)        one-hot of the depth the last step ran with
 ``p_accept_i`` (i ≤ K)     recent conditional acceptance of draft position i (given i−1 were
@@ -52,7 +53,9 @@ from controller.protocol import Step
 
 T = TypeVar("T")
 
-FEATURIZER_VERSION = 2
+# 3: accept_trend fades while nothing is drafted (was frozen at its last value: a policy read a
+# trend from a bad phase long gone as "the drafter is getting worse" and never drafted again).
+FEATURIZER_VERSION = 3
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
 N_BS_BUCKETS = 10
@@ -61,7 +64,8 @@ PRIOR_WEIGHT = 2.0  # in "request-positions": a few real observations dominate i
 ACCEPT_DECAY = 0.9  # per speculative step: about the last 10 batches count
 # Per step without drafting, the acceptance evidence loses weight and the estimate returns to
 # the prior (halved in ~23 steps): a policy that stopped drafting after a bad stretch will look
-# again, instead of trusting a frozen, pessimistic estimate forever.
+# again, instead of trusting a frozen, pessimistic estimate forever. The acceptance trend fades
+# at the same rate: no evidence, no trend.
 STALE_DECAY = 0.97
 FAST, SLOW = 0.3, 0.03
 LAT_ALPHA = 0.2
@@ -416,7 +420,10 @@ def _fold(
     out[5] = math.log1p(st[_PREFILL]) * _INV_LOG_PREFILL
     out[6] = math.log1p(st[_STEP_MS]) * _INV_LOG_MS
     out[7] = st[_BS_FAST] - st[_BS_SLOW]
-    out[8] = st[_ACC_FAST] - st[_ACC_SLOW]
+    # The trend is evidence too: it fades while nothing is drafted, as the estimates below do.
+    # A frozen trend would tell a policy, hundreds of steps later, that acceptance is falling.
+    spec_age = t - st[_LAST_SPEC]
+    out[8] = (st[_ACC_FAST] - st[_ACC_SLOW]) * (STALE_DECAY**spec_age if spec_age > 0 else 1.0)
     out[9] = 1.0 - math.exp((st[_LAST_SPEC] - t) * 0.02)
     if di >= 0:
         out[10 + di] = 1.0

@@ -289,6 +289,26 @@ def test_trends_follow_changes() -> None:
     assert obs[idx["accept_trend"]] < -0.3  # acceptance collapsing
 
 
+def test_accept_trend_fades_while_nothing_is_drafted() -> None:
+    """A trend is evidence: without drafting it fades as the acceptance estimate does, so a
+    collapse long ago does not read as "acceptance is falling" hundreds of steps later."""
+    f = Featurizer(DEPTHS)
+    idx = names(f)
+    for seq in range(200):
+        obs = f.update(step(seq, 2, [2] * 4))
+    for seq in range(200, 205):
+        obs = f.update(step(seq, 2, [0] * 4))
+    collapsed = float(obs[idx["accept_trend"]])
+    assert collapsed < -0.3
+    obs = f.update(step(205, 0, [], bs=4))  # one step without drafting: faded by STALE_DECAY
+    assert obs[idx["accept_trend"]] == pytest.approx(collapsed * STALE_DECAY, rel=1e-5)
+    for seq in range(206, 205 + 150):
+        obs = f.update(step(seq, 0, [], bs=4))
+    assert abs(obs[idx["accept_trend"]]) < 0.01
+    obs = f.update(step(400, 2, [0] * 4))  # drafting again: the EMAs it kept, undecayed
+    assert obs[idx["accept_trend"]] < collapsed
+
+
 @pytest.mark.parametrize("depths", [(0,), (3,), (1, 2), tuple(range(16))])
 def test_any_allowed_depth_set(depths: tuple[int, ...]) -> None:
     f = Featurizer(depths)
