@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from controller._jit import maybe_njit, njit_uncached
+from controller.policy import VersionedPolicy
 from controller.protocol import Step
 
 T = TypeVar("T")
@@ -56,6 +57,9 @@ T = TypeVar("T")
 # 3: accept_trend fades while nothing is drafted (was frozen at its last value: a policy read a
 # trend from a bad phase long gone as "the drafter is getting worse" and never drafted again).
 FEATURIZER_VERSION = 3
+# Versions whose policies this Featurizer still serves: a user's zip keeps working after an
+# upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2).
+SUPPORTED_VERSIONS = (2, 3)
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
 N_BS_BUCKETS = 10
@@ -77,8 +81,10 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 
 
 # Layout of the state array: scalars first, then the per-position and per-depth tables.
-_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST = range(9)
-_HEAD = 9
+_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE = range(
+    10
+)
+_HEAD = 10
 _NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
 
 
@@ -108,16 +114,22 @@ class Featurizer:
 
     Args:
         depths: the allowed draft depths, strictly increasing (0 = no speculation).
+        version: the observation's definition, one of :data:`SUPPORTED_VERSIONS` (default
+            :data:`FEATURIZER_VERSION`): a policy is served with the version it was trained on
+            (:func:`featurizer_for`).
 
     Attributes:
-        version: :data:`FEATURIZER_VERSION`; a policy trained on another version is refused.
+        version: the version this Featurizer computes.
         obs_dim: length of every observation.
         feature_names: one name per observation entry.
     """
 
-    version = FEATURIZER_VERSION
-
-    def __init__(self, depths: Sequence[int]) -> None:
+    def __init__(self, depths: Sequence[int], version: int = FEATURIZER_VERSION) -> None:
+        if version not in SUPPORTED_VERSIONS:
+            raise ValueError(
+                f"Featurizer version {version}: this controller computes {list(SUPPORTED_VERSIONS)}"
+            )
+        self.version = int(version)
         depths = tuple(int(d) for d in depths)
         if not depths or any(a >= b for a, b in zip(depths, depths[1:])) or depths[0] < 0:
             raise ValueError(f"depths must be non-empty, non-negative, strictly increasing: {depths}")
@@ -158,6 +170,7 @@ class Featurizer:
         # step_us per (bs bucket, depth), 0 = unknown; ratio: EMA of latency / smallest-depth
         # latency; seen: step index at which each depth was last observed.
         st[_LAST_SPEC] = _NEVER
+        st[_TREND_FADE] = STALE_DECAY if self.version >= 3 else 1.0
         st[ratio] = 1.0
         st[seen:] = _NEVER
         self._state = st
@@ -267,6 +280,13 @@ def fuse(consume: Callable[[np.ndarray], T]) -> Callable[..., T] | None:
         return consume(_fold(*fold_args))
 
     return njit_uncached(fold_then)
+
+
+def featurizer_for(policy: object, depths: Sequence[int]) -> Featurizer:
+    """The Featurizer ``policy`` decides from: the version it was trained on
+    (:class:`~controller.policy.VersionedPolicy`), else the current one."""
+    version = policy.featurizer_version if isinstance(policy, VersionedPolicy) else FEATURIZER_VERSION
+    return Featurizer(depths, version)
 
 
 def warm_up(kernel: Callable[..., Any] | None = None, depths: Sequence[int] = (0, 1)) -> None:
@@ -423,7 +443,7 @@ def _fold(
     # The trend is evidence too: it fades while nothing is drafted, as the estimates below do.
     # A frozen trend would tell a policy, hundreds of steps later, that acceptance is falling.
     spec_age = t - st[_LAST_SPEC]
-    out[8] = (st[_ACC_FAST] - st[_ACC_SLOW]) * (STALE_DECAY**spec_age if spec_age > 0 else 1.0)
+    out[8] = (st[_ACC_FAST] - st[_ACC_SLOW]) * (st[_TREND_FADE] ** spec_age if spec_age > 0 else 1.0)
     out[9] = 1.0 - math.exp((st[_LAST_SPEC] - t) * 0.02)
     if di >= 0:
         out[10 + di] = 1.0

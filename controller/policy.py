@@ -17,6 +17,10 @@ capability                 who has it, who uses it
                            action. ``None`` when it has none (no numba, stacked frames).
 :class:`ServingFactory`    ``prepare_serving()``: costly set-up (compiling that kernel) a factory
                            does once, before the service binds (:class:`~controller.ppo_policy.PPOFactory`)
+:class:`VersionedPolicy`   ``featurizer_version``: the observation definition a policy was trained on
+                           (:class:`~controller.ppo_policy.PPOPolicy`: its zip's); whoever builds
+                           its Featurizer builds that version (:func:`controller.features.featurizer_for`).
+                           Policies without it read the current version.
 :class:`EngineBound`       ``bind_engine(engine)``: a policy that reads the simulator's engine (the
                            clairvoyant oracle, ``agents.oracle``); the simulation loop binds it
                            before the first step. Such a policy cannot be served.
@@ -70,6 +74,13 @@ class ServingFactory(Protocol):
     """A factory with set-up to do once before serving (see the module docstring)."""
 
     def prepare_serving(self) -> None: ...
+
+
+@runtime_checkable
+class VersionedPolicy(Protocol):
+    """A policy trained on a given Featurizer version (see the module docstring)."""
+
+    featurizer_version: int
 
 
 @runtime_checkable

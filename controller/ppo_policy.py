@@ -11,8 +11,10 @@ numpy, ≈2.5 µs compiled with numba (:meth:`MLP.act`, :func:`mlp_logits`). So 
   touched), to cross-check the observation and action space sizes;
 - ``policy.pth`` — the state dict, with ``torch.load(weights_only=True)``.
 
-A zip trained for other depths, another Featurizer version or another observation size is
-refused with a :class:`~controller.errors.PolicyLoadError` that says what differs.
+A zip trained for other depths, a Featurizer version this controller no longer computes
+(:data:`~controller.features.SUPPORTED_VERSIONS`) or another observation size is refused with a
+:class:`~controller.errors.PolicyLoadError` that says what differs. A zip of an older supported
+version is served with that version's observation (:func:`~controller.features.featurizer_for`).
 
 The served action is the deterministic one (``predict(obs, deterministic=True)``): the argmax
 of the policy head's logits.
@@ -34,7 +36,7 @@ import numpy as np
 
 from controller._jit import JIT_ENABLED, maybe_njit_reassoc, njit_uncached
 from controller.errors import ControllerError, PolicyLoadError
-from controller.features import FEATURIZER_VERSION, Featurizer, fuse, warm_up
+from controller.features import FEATURIZER_VERSION, SUPPORTED_VERSIONS, Featurizer, fuse, warm_up
 from controller.objective import THROUGHPUT, parse_objective
 from controller.protocol import Step
 
@@ -541,12 +543,13 @@ def check_compatible(meta: PPOMeta, depths: Sequence[int], where: str = "policy"
     problems: list[str] = []
     if meta.depths != depths:
         problems.append(f"trained for depths {list(meta.depths)}, the instance allows {list(depths)}")
-    if meta.featurizer_version != FEATURIZER_VERSION:
+    if meta.featurizer_version not in SUPPORTED_VERSIONS:
         problems.append(
-            f"trained on Featurizer version {meta.featurizer_version}, this controller runs version {FEATURIZER_VERSION}"
+            f"trained on Featurizer version {meta.featurizer_version}, this controller runs versions "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
         )
     if not problems:
-        feat = Featurizer(depths)
+        feat = Featurizer(depths, meta.featurizer_version)
         if meta.obs_dim != feat.obs_dim:
             problems.append(f"observations of {meta.obs_dim} entries, the Featurizer makes {feat.obs_dim}")
         elif tuple(feat.feature_names) != meta.feature_names:
@@ -576,6 +579,7 @@ class PPOPolicy:
     def __init__(self, name: str, mlp: MLP, meta: PPOMeta, fused: Callable[..., int] | None = None) -> None:
         self.name = name
         self.meta = meta
+        self.featurizer_version = meta.featurizer_version  # controller.policy.VersionedPolicy
         self._mlp = mlp
         self._k = meta.frame_stack
         self._stack: np.ndarray | None = None

@@ -56,7 +56,7 @@ import zmq
 from controller.baselines import StaticPolicy
 from controller.cpus import usable_cpus
 from controller.errors import ConfigError, ControllerError, PolicyLoadError
-from controller.features import FEATURIZER_VERSION, Featurizer
+from controller.features import FEATURIZER_VERSION, Featurizer, featurizer_for
 from controller.features import warm_up as warm_up_featurizer
 from controller.metrics import LATENCY_BUCKETS_NS, ServiceStats
 from controller.objective import THROUGHPUT
@@ -237,7 +237,7 @@ class _Session:
     ) -> None:
         self.instance = instance
         self.depths = depths
-        self.featurizer = Featurizer(depths)
+        self.featurizer = featurizer_for(policy, depths)
         self.policy = policy
         # The policy's fused Featurizer + policy kernel, if it has one (PPOPolicy.fused).
         self.fused: Callable[..., int] | None = policy.fused if isinstance(policy, FusedPolicy) else None
@@ -422,7 +422,7 @@ class Server:
             frame = session.last_frame
             step, accept_u8 = read_step(unpack(frame), frame)
             if session.scratch is None:
-                session.scratch = Featurizer(session.depths)
+                session.scratch = featurizer_for(session.policy, session.depths)
             if session.fused is not None:
                 session.scratch.update_with(step, session.fused, accept_u8)
             else:
@@ -577,7 +577,7 @@ class Server:
             pass
         else:  # another socket (a restarted hook) or other depths: a fresh session
             session.depths = hello.depths
-            session.featurizer = Featurizer(hello.depths)
+            session.featurizer = featurizer_for(policy, hello.depths)
             session.policy = policy
             session.fused = policy.fused if isinstance(policy, FusedPolicy) else None
             session.last_seq = None
@@ -589,7 +589,7 @@ class Server:
         session.ident = ident
         self._tick += 1
         session.active = self._tick
-        self._send(ident, encode(Welcome(self.factory.name, FEATURIZER_VERSION)))
+        self._send(ident, encode(Welcome(self.factory.name, session.featurizer.version)))
         self.stats.hellos += 1
         self.stats.instances = len(self._sessions)
         if session.writer is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from controller.errors import ConfigError
-from controller.features import Featurizer
+from controller.features import Featurizer, featurizer_for
 from controller.policy import EngineBound, Policy
 from controller.protocol import DEFAULT_DEPTHS, Step
 from env.engine import Engine, RequestStats
@@ -174,7 +174,8 @@ def simulate(
         and engine.spec.kind != "replay"
     ):
         raise ConfigError("simulate: give duration_s or n_requests for an endless workload")
-    loop = DecodeLoop(engine, depths, action_delay)
+    # The policy's own Featurizer version (a zip trained on an older one reads its own).
+    loop = DecodeLoop(engine, depths, action_delay, featurizer=featurizer_for(policy, depths))
     policy.reset()
     if isinstance(policy, EngineBound):
         policy.bind_engine(engine)

@@ -309,6 +309,24 @@ def test_accept_trend_fades_while_nothing_is_drafted() -> None:
     assert obs[idx["accept_trend"]] < collapsed
 
 
+def test_version_2_keeps_its_frozen_trend_and_nothing_else_differs() -> None:
+    """Version 2 (still served, for zips trained on it) holds the trend while nothing is
+    drafted; every other entry of the observation is version 3's, bit for bit."""
+    v2, v3 = Featurizer(DEPTHS, version=2), Featurizer(DEPTHS)
+    assert (v2.version, v3.version) == (2, FEATURIZER_VERSION)
+    idx = names(v2)
+    records = [step(s, 2, [2] * 4) for s in range(100)] + [step(s, 2, [0] * 4) for s in range(100, 105)]
+    records += [step(s, 0, [], bs=4) for s in range(105, 180)]
+    for rec in records:
+        a, b = v2.update(rec), v3.update(rec)
+    trend = idx["accept_trend"]
+    assert a[trend] < -0.3 and abs(b[trend]) < 0.2 * abs(a[trend])
+    others = [i for i in range(len(a)) if i != trend]
+    assert np.array_equal(a[others], b[others])
+    with pytest.raises(ValueError, match="Featurizer version 1"):
+        Featurizer(DEPTHS, version=1)
+
+
 @pytest.mark.parametrize("depths", [(0,), (3,), (1, 2), tuple(range(16))])
 def test_any_allowed_depth_set(depths: tuple[int, ...]) -> None:
     f = Featurizer(depths)

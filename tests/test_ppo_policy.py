@@ -174,10 +174,26 @@ def _rewrite_meta(path: Path, **changes) -> None:
 def test_other_featurizer_version_is_refused(tmp_path):
     _, path = _save_model(tmp_path)
     _rewrite_meta(path, featurizer_version=99)
-    with pytest.raises(
-        PolicyLoadError, match=f"Featurizer version 99, this controller runs version {FEATURIZER_VERSION}"
-    ):
+    with pytest.raises(PolicyLoadError, match="Featurizer version 99, this controller runs versions 2, 3"):
         load_ppo_factory(path, DEPTHS)
+
+
+def test_a_zip_of_an_older_featurizer_version_is_served_with_that_version():
+    """A user's zip keeps working after an upgrade: the policy served in the H200 calls
+    (Featurizer version 2) is simulated with the observation it was trained on."""
+    from controller.features import featurizer_for
+    from env.deployments import load_deployment
+    from env.runner import simulate
+
+    path = Path(__file__).resolve().parents[1] / "bench/results/h200/ppo2/ppo.zip"
+    depths = (0, 1, 3, 5)
+    policy = load_ppo_factory(path, depths)(depths)
+    assert policy.featurizer_version == 2 and featurizer_for(policy, depths).version == 2
+    assert featurizer_for(make_factory("builtin:static:1")(depths), depths).version == FEATURIZER_VERSION
+    res = simulate(
+        load_deployment("h200-llama8b"), "closed:8@prompt=128,output=32", policy, depths=depths, n_requests=8
+    )
+    assert res.steps > 0 and res.n_requests == 8
 
 
 def test_other_feature_layout_is_refused(tmp_path):

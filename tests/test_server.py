@@ -320,6 +320,36 @@ def test_unknown_keys_are_ignored_and_when_hello_restarts_a_session(
         other.close()
 
 
+def test_a_zip_of_an_older_featurizer_version_is_served_with_its_own_observation() -> None:
+    """The policy of the H200 calls (Featurizer version 2) still serves after the upgrade to 3:
+    the welcome names the version its instance's observations are computed with."""
+    zip_path = Path(__file__).resolve().parents[1] / "bench/results/h200/ppo2/ppo.zip"
+    ctx = zmq.Context()
+    server = Server(ServeConfig(policy=str(zip_path), bind="inproc://old"), context=ctx)
+    peer = Peer("inproc://old", ctx)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            if server._sock.poll(20):
+                server.drain()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        welcome = peer.ask(Hello("a", (0, 1, 3, 5)).to_wire())
+        assert welcome["t"] == "welcome" and welcome["features"] == 2 != FEATURIZER_VERSION
+        assert server._sessions["a"].featurizer.version == 2
+        reply = peer.ask(step_wire("a", 1, depth=3))
+        assert reply["t"] == "decision" and reply["depth"] in (0, 1, 3, 5)
+    finally:
+        stop.set()
+        thread.join()
+        peer.close()
+        server.close()
+        ctx.term()
+
+
 def test_sessions_are_capped_least_recently_active_evicted(tmp_path: Path) -> None:
     ctx = zmq.Context()
     server = Server(ServeConfig(policy="builtin:static:2", bind="inproc://cap", max_instances=3), context=ctx)
