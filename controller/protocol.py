@@ -180,7 +180,7 @@ class Welcome:
     """controller → hook, the reply to ``hello``."""
 
     policy: str
-    features: int
+    features: int  # the Featurizer version this instance's observations are computed with
 
     def to_wire(self) -> dict[str, Any]:
         return {"t": "welcome", "v": PROTOCOL_VERSION, "policy": self.policy, "features": self.features}
