@@ -81,9 +81,8 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 
 
 # Layout of the state array: scalars first, then the per-position and per-depth tables.
-_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE = range(
-    10
-)
+# _TREND_FADE: the per-step fade of accept_trend without drafting, set by the version.
+_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE = range(10)
 _HEAD = 10
 _NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
 

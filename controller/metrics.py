@@ -139,9 +139,7 @@ class _Collector:
             sum_value=s.latency_sum_ns / 1e9,
         )
         info = GaugeMetricFamily(
-            p + "policy_info",
-            "The served policy and the objective it was trained for",
-            labels=["policy", "objective"],
+            p + "policy_info", "The served policy and the objective it was trained for", labels=["policy", "objective"]
         )
         info.add_metric([s.policy, s.objective], 1.0)
         yield info

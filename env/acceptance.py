@@ -226,22 +226,15 @@ def fit_acceptance(
     pz = min(max(base.p_zero, 1e-4), 1.0 - 1e-4)
     best = None
     # Two starts: the base's population and a bimodal one (Nelder-Mead finds the nearer mode).
-    for start in (
-        (base.alpha, base.beta, max(base.sigma, 0.05), pz),
-        (base.alpha + 1.5, base.beta, 0.5, 0.3),
-    ):
+    for start in ((base.alpha, base.beta, max(base.sigma, 0.05), pz), (base.alpha + 1.5, base.beta, 0.5, 0.3)):
         theta0 = np.array([start[0], start[1], math.log(start[2]), math.log(start[3] / (1.0 - start[3]))])
-        res = minimize(
-            nll, theta0, method="Nelder-Mead", options={"xatol": 1e-5, "fatol": 1e-9, "maxiter": 6000}
-        )
+        res = minimize(nll, theta0, method="Nelder-Mead", options={"xatol": 1e-5, "fatol": 1e-9, "maxiter": 6000})
         if best is None or res.fun < best.fun:
             best = res
     assert best is not None
     th = best.x
     fitted = unpack(th)
-    ap = replace(
-        base, alpha=float(th[0]), beta=float(th[1]), sigma=float(fitted.sigma), p_zero=float(fitted.p_zero)
-    )
+    ap = replace(base, alpha=float(th[0]), beta=float(th[1]), sigma=float(fitted.sigma), p_zero=float(fitted.p_zero))
     # Observed information by finite differences → standard errors.
     h = 1e-3
     hess = np.zeros((3, 3))
@@ -264,9 +257,7 @@ def fit_acceptance(
     tvs, weights = [], []
     for d in sorted({d for d, _, _ in items}):
         got = np.sum([c for dd, _, c in items if dd == d], axis=0)
-        want = np.sum(
-            [accept_length_pmf(ap, d, s, step_weighted) * c.sum() for dd, s, c in items if dd == d], axis=0
-        )
+        want = np.sum([accept_length_pmf(ap, d, s, step_weighted) * c.sum() for dd, s, c in items if dd == d], axis=0)
         tv = 0.5 * float(np.abs(want / want.sum() - got / got.sum()).sum())
         report[f"tv_depth{d}"] = tv
         tvs.append(tv)

@@ -150,14 +150,7 @@ class Engine:
         self._lat_c = step_coeffs(p.latency)
         self._consts = np.concatenate(
             [
-                [
-                    pen_decay,
-                    1.0 / pen_decay - 1.0,
-                    ap.drift_sd,
-                    ap.drift_tau_s * 1e6,
-                    ap.ctx_ref_tokens,
-                    ap.ctx_logit,
-                ],
+                [pen_decay, 1.0 / pen_decay - 1.0, ap.drift_sd, ap.drift_tau_s * 1e6, ap.ctx_ref_tokens, ap.ctx_logit],
                 self._base,
                 stale_table,
             ]

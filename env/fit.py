@@ -40,20 +40,8 @@ from env.workload import WorkloadParams
 HOLDOUT_FRAC = 0.2
 # Groups of pass terms that traces can scale independently (each a physical cost class).
 _GROUPS = {
-    "fixed": (
-        "t_fix_us",
-        "w_us",
-        "dec_fix_us",
-        "split_fix_us",
-        "mq_fix_us",
-    ),  # per pass: launches, weight reads
-    "per_token": (
-        "f_us_per_tok",
-        "tok_us_per_tok",
-        "dec_seq_us",
-        "split_seq_us",
-        "mq_seq_us",
-    ),  # per token / seq
+    "fixed": ("t_fix_us", "w_us", "dec_fix_us", "split_fix_us", "mq_fix_us"),  # per pass: launches, weight reads
+    "per_token": ("f_us_per_tok", "tok_us_per_tok", "dec_seq_us", "split_seq_us", "mq_seq_us"),  # per token / seq
     "per_ctx": KV_NAMES,  # per cached token
     "draft_fixed": ("d_fix_us", "d_fc_us", "d_w_us"),
     "draft_per_token": ("d_f_us_per_tok", "d_tok_us_per_tok"),
@@ -184,10 +172,7 @@ def _predict_steps(lp: LatencyParams, bs, depth, ctx, pf) -> np.ndarray:
 
 
 def scale_classes(
-    lp: LatencyParams,
-    classes: tuple[tuple[str, tuple[str, ...]], ...],
-    log_scales: Any,
-    terms: dict[str, float],
+    lp: LatencyParams, classes: tuple[tuple[str, tuple[str, ...]], ...], log_scales: Any, terms: dict[str, float]
 ) -> LatencyParams:
     """``lp`` with every coefficient of ``classes[i]`` (a name and its coefficients) scaled by
     ``exp(log_scales[i])`` and the absolute ``terms`` set: the parameter map of the fits to
@@ -304,9 +289,7 @@ def _fit_engine(steps: list[Step], base: EngineParams, report: FitReport) -> Eng
     if not ratios:
         report.notes.append("engine: no record with kv_usage > 2%; KV budget kept from the base")
     else:
-        report.fitted.append(
-            "engine.kv_budget_tokens (ctx_tokens / kv_usage, the drafter's memory added back)"
-        )
+        report.fitted.append("engine.kv_budget_tokens (ctx_tokens / kv_usage, the drafter's memory added back)")
     instance = steps[0].instance
     return replace(
         base,
@@ -384,11 +367,7 @@ def fit_sim(
         lp = fit_step_latency(lp, all_steps, overheads_only=pinned)
         report.step_mape_fit = step_mape(lp, all_steps)
         report.fitted.append(
-            (
-                "latency per-step overheads (traces)"
-                if pinned
-                else "latency overheads and cost-class scales (traces)"
-            )
+            ("latency per-step overheads (traces)" if pinned else "latency overheads and cost-class scales (traces)")
             + ("; SGLang's depth-0 verify cost v0_fix_us, v0_seq_us" if lp.off_path == "verify" else "")
         )
 

@@ -152,9 +152,7 @@ class LatencyParams:
 
     def __post_init__(self) -> None:
         if self.off_path not in OFF_PATHS:
-            raise FitError(
-                f"latency params: off_path must be one of {', '.join(OFF_PATHS)}, got {self.off_path!r}"
-            )
+            raise FitError(f"latency params: off_path must be one of {', '.join(OFF_PATHS)}, got {self.off_path!r}")
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -335,19 +333,11 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
         t += c[I_OH_SPEC]
         t += depth * _draft_pass(c, b, 1.0, ctx_tokens, False) + c[I_D_FC]  # k draft steps, the first with fc
         t += _target_pass(c, b, q, ctx_tokens) + c[I_VER_SEQ] * b  # the verify pass, SGLang's per request
-        t += _draft_pass(c, b, q, ctx_tokens, False) + _extend_seq(
-            c, b
-        )  # draft extend over the verified tokens
+        t += _draft_pass(c, b, q, ctx_tokens, False) + _extend_seq(c, b)  # draft extend over the verified tokens
     else:
         t += _target_pass(c, b, 1.0, ctx_tokens)
         if c[I_OFF_VERIFY] != 0.0:  # SGLang's own depth 0: a width-1 verify and the draft extend
-            t += (
-                c[I_OH_SPEC]
-                + c[I_VER_SEQ] * b
-                + c[I_V0_FIX]
-                + c[I_V0_SEQ] * b
-                + _draft_pass(c, b, 1.0, ctx_tokens, False)
-            )
+            t += c[I_OH_SPEC] + c[I_VER_SEQ] * b + c[I_V0_FIX] + c[I_V0_SEQ] * b + _draft_pass(c, b, 1.0, ctx_tokens, False)
             t += _extend_seq(c, b)
         elif c[I_OFF_EXTEND] != 0.0:  # the off switch, the drafter's one-token extend kept
             t += _draft_pass(c, b, 1.0, ctx_tokens, False) + _extend_seq(c, b)
@@ -438,9 +428,7 @@ def attn_us(lp: LatencyParams, batch, q, ctx_tokens, kernel: str = "best") -> np
     target and SGLang's backend selection do).
     """
     if kernel == "best":
-        return np.minimum(
-            attn_us(lp, batch, q, ctx_tokens, "fa2"), attn_us(lp, batch, q, ctx_tokens, "split")
-        )
+        return np.minimum(attn_us(lp, batch, q, ctx_tokens, "fa2"), attn_us(lp, batch, q, ctx_tokens, "split"))
     comp = "target_attn_fa2" if kernel == "fa2" else "target_attn_split"
     out = _component_us(step_coeffs(lp), comp, batch, q, _per_seq(batch, ctx_tokens))
     if kernel == "split":  # the split kernel never runs a plain decode; "best" at q = 1 is fa2

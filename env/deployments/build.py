@@ -154,9 +154,7 @@ def server_steps(traces: tuple[Path, ...] = REAL_TRACES) -> tuple[np.ndarray, ..
     return bs[k], depth[k], ctx[k], us[k]
 
 
-def fit_to_server(
-    lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_steps: int = 4000
-) -> LatencyParams:
+def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_steps: int = 4000) -> LatencyParams:
     """Fit the pass classes and the server terms to the real server, from the profile's shape.
 
     One least squares on log step time (soft-L1, as ``env.fit.fit_step_latency``) over two sets:
