@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -198,11 +199,12 @@ def expected_decisions(policy: str, instance: str, n: int, seed: int) -> list[in
 # --------------------------------------------------------------------------- in-process: every code
 
 
-@pytest.fixture
-def inproc_server() -> Iterator[tuple[Server, Peer]]:
+@contextmanager
+def serving_inproc(policy: str, bind: str = "inproc://svc") -> Iterator[tuple[Server, Peer]]:
+    """A Server for ``policy`` draining on a thread, and a Peer talking to it, in one process."""
     ctx = zmq.Context()
-    server = Server(ServeConfig(policy="builtin:static:2", bind="inproc://svc"), context=ctx)
-    peer = Peer("inproc://svc", ctx)
+    server = Server(ServeConfig(policy=policy, bind=bind), context=ctx)
+    peer = Peer(bind, ctx)
     stop = threading.Event()
 
     def loop() -> None:
@@ -212,12 +214,20 @@ def inproc_server() -> Iterator[tuple[Server, Peer]]:
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
-    yield server, peer
-    stop.set()
-    thread.join()
-    peer.close()
-    server.close()
-    ctx.term()
+    try:
+        yield server, peer
+    finally:
+        stop.set()
+        thread.join()
+        peer.close()
+        server.close()
+        ctx.term()
+
+
+@pytest.fixture
+def inproc_server() -> Iterator[tuple[Server, Peer]]:
+    with serving_inproc("builtin:static:2") as pair:
+        yield pair
 
 
 def _bad_inputs() -> list[tuple[str, bytes | tuple[bytes, ...], str]]:
@@ -324,30 +334,12 @@ def test_a_zip_of_an_older_featurizer_version_is_served_with_its_own_observation
     """The policy of the H200 calls (Featurizer version 2) still serves after the upgrade to 3:
     the welcome names the version its instance's observations are computed with."""
     zip_path = Path(__file__).resolve().parents[1] / "bench/results/h200/ppo2/ppo.zip"
-    ctx = zmq.Context()
-    server = Server(ServeConfig(policy=str(zip_path), bind="inproc://old"), context=ctx)
-    peer = Peer("inproc://old", ctx)
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            if server._sock.poll(20):
-                server.drain()
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
+    with serving_inproc(str(zip_path), "inproc://old") as (server, peer):
         welcome = peer.ask(Hello("a", (0, 1, 3, 5)).to_wire())
         assert welcome["t"] == "welcome" and welcome["features"] == 2 != FEATURIZER_VERSION
         assert server._sessions["a"].featurizer.version == 2
         reply = peer.ask(step_wire("a", 1, depth=3))
         assert reply["t"] == "decision" and reply["depth"] in (0, 1, 3, 5)
-    finally:
-        stop.set()
-        thread.join()
-        peer.close()
-        server.close()
-        ctx.term()
 
 
 def test_sessions_are_capped_least_recently_active_evicted(tmp_path: Path) -> None:
