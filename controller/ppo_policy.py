@@ -622,6 +622,8 @@ class PPOFactory:
         self.meta = meta
         self.name = f"ppo:{path.name}"
         self.objective = meta.objective
+        # What its policies observe; `controller serve` says it at start.
+        self.featurizer_version = meta.featurizer_version
         self._mlp = mlp
         self._fused: Callable[..., int] | None = None
 

@@ -884,7 +884,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         server.objective,
         server.endpoint,
         PROTOCOL_VERSION,
-        FEATURIZER_VERSION,
+        # A PPO zip keeps the version it was trained on; builtins take the current one.
+        getattr(server.factory, "featurizer_version", FEATURIZER_VERSION),
         server.poll_mode,
         f", recording to {config.record}" if config.record else "",
         f", metrics on 127.0.0.1:{config.metrics_port}" if config.metrics_port else "",

@@ -187,7 +187,9 @@ def test_a_zip_of_an_older_featurizer_version_is_served_with_that_version():
 
     path = Path(__file__).resolve().parents[1] / "bench/results/h200/ppo2/ppo.zip"
     depths = (0, 1, 3, 5)
-    policy = load_ppo_factory(path, depths)(depths)
+    factory = load_ppo_factory(path, depths)
+    assert factory.featurizer_version == 2  # what `controller serve` says at start
+    policy = factory(depths)
     assert policy.featurizer_version == 2 and featurizer_for(policy, depths).version == 2
     assert featurizer_for(make_factory("builtin:static:1")(depths), depths).version == FEATURIZER_VERSION
     res = simulate(
