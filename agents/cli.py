@@ -62,6 +62,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="fraction of episodes with a drafter of random quality, from useless to near perfect "
         "(default 0.3; 0 = only the fitted acceptance)",
     )
+    t.add_argument(
+        "--probe-staleness",
+        type=float,
+        default=None,
+        help="the warm start's expert drafts once to look at the drafter after spec_staleness reaches "
+        "this at depth 0 (1 − exp(−steps/50): default 0.9, about 115 steps; 0 = never probes)",
+    )
+    t.add_argument(
+        "--probe-cost-steps",
+        type=float,
+        default=None,
+        help="postpone that probe by this many steps × the share of depth 0's goodput a probe step "
+        "gives up on the fitted model (default 0: a fixed staleness; docs/results.md has a comparison)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train)
 

@@ -45,6 +45,7 @@ import gymnasium as gym
 import numpy as np
 
 from controller.errors import ConfigError
+from controller.features import SPEC_STALENESS_STEPS
 from controller.protocol import DEFAULT_DEPTHS
 
 
@@ -96,6 +97,9 @@ class TrainConfig:
             rising (``accept_trend`` > 0) and within ``bc_probe_keep`` of depth 0's goodput.
         bc_probe_depth: the depth a probe drafts at.
         bc_probe_keep: goodput ratio (to depth 0) above which a rising probe continues.
+        bc_probe_cost_steps: postpone the probe by this many steps × the share of depth 0's
+            goodput a probe step gives up (the model's estimate; :meth:`ProbeRule.threshold`);
+            0 = the fixed ``bc_probe_staleness``.
         bc_epochs: passes over the aggregated states per round.
         save_warm_start: also save the policy before PPO as ``warmstart.zip`` (ablation).
         reward: ``"regret"`` (module docstring) or ``"extra-tokens"`` (SpecDecode-v0's own:
@@ -145,6 +149,7 @@ class TrainConfig:
     bc_probe_staleness: float = 0.9
     bc_probe_depth: int = 2
     bc_probe_keep: float = 0.85
+    bc_probe_cost_steps: float = 0.0
     objective: str = "throughput"
     slo_credit: str = "step"
     bc_slo_labels: str = "step"
@@ -170,6 +175,8 @@ class TrainConfig:
             ("drafter_mix", "drafter_mix"),
             ("objective", "objective"),
             ("slo_credit", "slo_credit"),
+            ("probe_staleness", "bc_probe_staleness"),
+            ("probe_cost_steps", "bc_probe_cost_steps"),
         ):
             value = getattr(args, flag, None)
             if value is not None:
@@ -178,6 +185,10 @@ class TrainConfig:
             cfg = replace(cfg, timesteps=args.timesteps)
         if args.n_envs is not None:
             cfg = replace(cfg, n_envs=args.n_envs)
+        if not 0.0 <= cfg.bc_probe_staleness < 1.0:
+            raise ConfigError(f"--probe-staleness must be in [0, 1), got {cfg.bc_probe_staleness}")
+        if not (math.isfinite(cfg.bc_probe_cost_steps) and cfg.bc_probe_cost_steps >= 0.0):
+            raise ConfigError(f"--probe-cost-steps must be finite and ≥ 0, got {cfg.bc_probe_cost_steps}")
         if not 0.0 <= cfg.drafter_mix <= 1.0:
             raise ConfigError(f"--drafter-mix must be in [0, 1], got {cfg.drafter_mix}")
         from controller.objective import parse_objective
@@ -729,6 +740,7 @@ class ProbeRule:
     action: int
     staleness: float
     keep: float
+    cost_steps: float = 0.0
 
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> ProbeRule | None:
@@ -746,13 +758,24 @@ class ProbeRule:
             cfg.depths.index(cfg.bc_probe_depth),
             cfg.bc_probe_staleness,
             cfg.bc_probe_keep,
+            cfg.bc_probe_cost_steps,
         )
+
+    def threshold(self, rel: np.ndarray) -> float:
+        """The staleness at which the expert probes: ``staleness``, postponed by
+        ``cost_steps`` × the share of depth 0's goodput a probe step gives up (on the model's
+        estimate), so a probe costs about as much wherever it runs."""
+        if self.cost_steps <= 0:
+            return self.staleness
+        loss = min(max(1.0 - float(rel[self.action]) / max(float(rel[0]), 1e-12), 0.0), 1.0)
+        steps = -SPEC_STALENESS_STEPS * math.log(1.0 - self.staleness) + self.cost_steps * loss
+        return 1.0 - math.exp(-steps / SPEC_STALENESS_STEPS)
 
     def probes(self, obs: np.ndarray, rel: np.ndarray) -> bool:
         """Whether the expert probes in this state (``rel``: its relative goodput per depth)."""
         if int(np.argmax(rel)) != 0:
             return False
-        if obs[self.stale_idx] >= self.staleness:
+        if obs[self.stale_idx] >= self.threshold(rel):
             return True
         return bool(obs[self.onehot_idx] > 0.5 and obs[self.trend_idx] > 0 and rel[self.action] >= self.keep * rel[0])
 

@@ -71,6 +71,7 @@ ACCEPT_DECAY = 0.9  # per speculative step: about the last 10 batches count
 # again, instead of trusting a frozen, pessimistic estimate forever. The acceptance trend fades
 # at the same rate: no evidence, no trend.
 STALE_DECAY = 0.97
+SPEC_STALENESS_STEPS = 50.0  # spec_staleness = 1 − exp(−steps without drafting / this)
 FAST, SLOW = 0.3, 0.03
 LAT_ALPHA = 0.2
 
@@ -443,7 +444,7 @@ def _fold(
     # A frozen trend would tell a policy, hundreds of steps later, that acceptance is falling.
     spec_age = t - st[_LAST_SPEC]
     out[8] = (st[_ACC_FAST] - st[_ACC_SLOW]) * (st[_TREND_FADE] ** spec_age if spec_age > 0 else 1.0)
-    out[9] = 1.0 - math.exp((st[_LAST_SPEC] - t) * 0.02)
+    out[9] = 1.0 - math.exp((st[_LAST_SPEC] - t) * (1.0 / SPEC_STALENESS_STEPS))
     if di >= 0:
         out[10 + di] = 1.0
 

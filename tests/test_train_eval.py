@@ -173,6 +173,9 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert err.count("\n") == 1 and "missing.json" in err
     assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.txt")]) == 2
     assert "must name a .zip" in capsys.readouterr().err
+    assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--probe-staleness", "1"]) == 2
+    assert "--probe-staleness must be in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "p.zip").exists()
     assert (
         main(["eval", "--deployment", "seed", "--out", str(tmp_path / "o"), "--policy", "builtin:nope"]) == 2
     )
@@ -266,3 +269,30 @@ def test_the_realistic_experts_probe_drafts_after_a_stretch_at_depth_0_and_ends_
     assert ProbeRule.for_config(replace(cfg, bc_probe_staleness=0.0)) is None
     with pytest.raises(ConfigError, match="bc_probe_depth 4"):
         ProbeRule.for_config(replace(cfg, bc_probe_depth=4))
+
+
+def test_a_costlier_probe_waits_longer_at_depth_0():
+    """``bc_probe_cost_steps``: the probe waits ``cost_steps`` × the share of depth 0's goodput
+    it gives up, on top of ``bc_probe_staleness`` (spec_staleness is 1 − exp(−steps / 50))."""
+    from agents.train import ProbeRule
+    from controller.features import Featurizer
+
+    cfg = replace(TINY, bc_probe_staleness=0.5, bc_probe_cost_steps=400.0)
+    rule = ProbeRule.for_config(cfg)
+    assert rule is not None
+    stale = Featurizer(cfg.depths).feature_names.index("spec_staleness")
+    obs = np.zeros(rule.onehot_idx + 1 + 2 * len(cfg.depths) + 64, dtype=np.float32)
+
+    def first_probe_step(rel: np.ndarray) -> int:
+        for n in range(1, 2000):
+            obs[stale] = 1.0 - np.exp(-n / 50.0)
+            if rule.probes(obs, rel):
+                return n
+        raise AssertionError("never probes")
+
+    cheap = np.array([1.0, 0.99, 0.99, 0.9, 0.8])  # a probe at depth 2 gives up 1%
+    dear = np.array([1.0, 0.8, 0.75, 0.7, 0.6])  # 25%
+    assert abs(first_probe_step(cheap) - (35 + 4)) <= 1  # 50·ln 2 ≈ 34.7 steps, + 400 × 0.01
+    assert abs(first_probe_step(dear) - (35 + 100)) <= 1
+    fixed = ProbeRule.for_config(replace(cfg, bc_probe_cost_steps=0.0))
+    assert fixed is not None and fixed.threshold(cheap) == fixed.threshold(dear) == 0.5
