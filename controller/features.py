@@ -56,10 +56,16 @@ T = TypeVar("T")
 
 # 3: accept_trend fades while nothing is drafted (was frozen at its last value: a policy read a
 # trend from a bad phase long gone as "the drafter is getting worse" and never drafted again).
-FEATURIZER_VERSION = 3
+# 4: a step that admitted requests (prefill_tokens > 0) does not enter the latency table. On the
+# H100 testbed such steps took 47-58 ms (median, batch >= 48) at every depth against 9.7 ms for
+# a depth-0 step without admissions, even with the prompts in the prefix cache: the cost is the
+# admission's, not the depth's, and whichever depth happened to admit read as the slow one
+# (goodput then drafted at 64-128 requests, where depth 0 was 2x faster).
+FEATURIZER_VERSION = 4
 # Versions whose policies this Featurizer still serves: a user's zip keeps working after an
-# upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2).
-SUPPORTED_VERSIONS = (2, 3)
+# upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2)
+# and in which steps the latency table takes (every step, versions 2-3).
+SUPPORTED_VERSIONS = (2, 3, 4)
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
 N_BS_BUCKETS = 10
@@ -82,9 +88,11 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 
 
 # Layout of the state array: scalars first, then the per-position and per-depth tables.
-# _TREND_FADE: the per-step fade of accept_trend without drafting, set by the version.
-_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE = range(10)
-_HEAD = 10
+# _TREND_FADE: the per-step fade of accept_trend without drafting, and _LAT_DECODE_ONLY: 1 when
+# steps that admitted requests stay out of the latency table; both set by the version.
+(_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE,
+ _LAT_DECODE_ONLY) = range(11)  # fmt: skip
+_HEAD = 11
 _NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
 
 
@@ -171,6 +179,7 @@ class Featurizer:
         # latency; seen: step index at which each depth was last observed.
         st[_LAST_SPEC] = _NEVER
         st[_TREND_FADE] = STALE_DECAY if self.version >= 3 else 1.0
+        st[_LAT_DECODE_ONLY] = 1.0 if self.version >= 4 else 0.0
         st[ratio] = 1.0
         st[seen:] = _NEVER
         self._state = st
@@ -408,8 +417,10 @@ def _fold(
         st[_ACC_SLOW] += SLOW * (mean_frac - st[_ACC_SLOW])
         st[_LAST_SPEC] = t
 
-    # Latency table per (bs bucket, depth); EMA so drift is followed.
-    if di >= 0 and step_us > 0:
+    # Latency table per (bs bucket, depth); EMA so drift is followed. A step that admitted
+    # requests also timed their admission, whatever the depth (version 4 leaves it out).
+    decode_step = st[_LAT_DECODE_ONLY] == 0.0 or prefill_tokens == 0
+    if di >= 0 and step_us > 0 and decode_step:
         old = st[o_row + di]
         st[o_row + di] = float(step_us) if old == 0.0 else old + LAT_ALPHA * (step_us - old)
         if di > 0 and st[o_row] > 0.0:

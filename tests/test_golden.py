@@ -133,8 +133,9 @@ def _ppo_specs() -> dict[str, str]:
 
 
 def decisions(stream: list[Any], depths: tuple[int, ...]) -> dict[str, str]:
-    """Each policy's actions over ``stream`` (a digit per step), as the service decides them."""
-    from controller.features import Featurizer
+    """Each policy's actions over ``stream`` (a digit per step), as the service decides them
+    (with the Featurizer version each policy was made for)."""
+    from controller.features import featurizer_for
     from controller.registry import make_factory
 
     specs = {name: f"builtin:{name}" for name in BUILTINS}
@@ -146,13 +147,13 @@ def decisions(stream: list[Any], depths: tuple[int, ...]) -> dict[str, str]:
             continue
         factory = make_factory(spec, depths)
         policy = factory(depths)
-        feat = Featurizer(depths)
+        feat = featurizer_for(policy, depths)
         acts = [int(policy.act(feat.update(s), s)) for s in stream]
         out[name] = "".join(map(str, acts))
         if spec.endswith(".zip"):  # the fused kernel the service serves with decides the same
             factory.prepare_serving()
             fused = factory(depths)
-            feat = Featurizer(depths)
+            feat = featurizer_for(fused, depths)
             acts_fused = [int(feat.update_with(s, fused.fused)) for s in stream] if fused.fused else acts
             assert acts_fused == acts, name
     return out

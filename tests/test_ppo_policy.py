@@ -94,7 +94,7 @@ def _step_stream(n: int, depths=DEPTHS, seed: int = 0) -> list[Step]:
                 rng.randint(3000, 90000),
                 bs * rng.randint(100, 8000),
                 rng.random(),
-                rng.randint(0, 4000),
+                rng.randint(1, 4000) if rng.random() < 0.2 else 0,  # most decode steps admit nobody
                 seq,
             )
         )
