@@ -47,6 +47,8 @@ REPO = HERE.parent.parent
 NAMED_ZIPS = {
     "ppo": "agents/bundled/h200-llama8b/ppo.zip",  # trained in the simulator, no testbed trace
     "ppo-retrained": "bench/results/realgpu/ppo-retrained/ppo.zip",  # `controller train --traces` (REALGPU.md)
+    # The same, on the H100 calls' traces (bench/results/realgpu/h100/): an H100's policy.
+    "ppo-retrained-h100": "bench/results/realgpu/h100/ppo-retrained/ppo.zip",
 }
 
 # Policy names that stand for goodput with a fitted latency model (a sim.json in the repository).
