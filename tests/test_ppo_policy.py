@@ -174,7 +174,7 @@ def _rewrite_meta(path: Path, **changes) -> None:
 def test_other_featurizer_version_is_refused(tmp_path):
     _, path = _save_model(tmp_path)
     _rewrite_meta(path, featurizer_version=99)
-    with pytest.raises(PolicyLoadError, match="Featurizer version 99, this controller runs versions 2, 3"):
+    with pytest.raises(PolicyLoadError, match="Featurizer version 99, this controller runs versions 2, 3, 4"):
         load_ppo_factory(path, DEPTHS)
 
 
