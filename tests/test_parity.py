@@ -36,6 +36,8 @@ class Recording:
         self.inner = inner
         self.name = inner.name
         self.log: list[tuple[Step, int]] = []
+        if hasattr(inner, "featurizer_version"):  # simulate() then builds the version it was trained on
+            self.featurizer_version = inner.featurizer_version
 
     def reset(self) -> None:
         self.inner.reset()
