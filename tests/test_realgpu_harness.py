@@ -350,3 +350,38 @@ def test_report_refuses_calls_from_different_gpus(tmp_path: Path) -> None:
     }
     assert realgpu_report.main([str(tmp_path / "h200"), str(tmp_path / "h100")]) == 2
     assert realgpu_report.main([str(tmp_path / "h100")]) == 0
+
+
+def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys) -> None:
+    """realgpu_sim: each closed point's own benchmark in the simulator fitted to the H100 calls'
+    traces, against what those calls measured (static:0 at C=1: 144-145 tok/s; static:3 at
+    C=4: 622-666); a policy it cannot run is listed, not dropped; plain is the baseline."""
+    import realgpu_sim
+
+    path = tmp_path / "summary.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(realgpu_report.FIELDS)
+        for policy, c, rep, tok_s in [
+            ("plain", 1, 1, 158.5),
+            ("static:0", 1, 1, 144.4),
+            ("static:0", 1, 2, 145.4),
+            ("static:3", 4, 1, 666.1),
+            ("static:3", 4, 2, 621.6),
+            ("sglang-adaptive-default", 1, 1, 150.0),
+        ]:
+            w.writerow(["closed-mix-256-128", c, policy, rep, tok_s, 6.0, 6.5, 0])
+    sim = ROOT / "bench" / "results" / "realgpu" / "h100" / "ppo-retrained" / "sim.json"
+    assert realgpu_sim.main(["--sim", str(sim), str(path), "--seeds", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        tuple(r.split("|")[1:3]): r.split("|")[4:6]
+        for r in out.splitlines()
+        if r.startswith("| ") and "policy" not in r
+    }
+    assert set(rows) == {(" static:0 ", " 1 "), (" static:3 ", " 4 "), (" sglang-adaptive-default ", " 1 ")}
+    assert rows[(" sglang-adaptive-default ", " 1 ")][1].strip() == "not simulated"
+    assert abs(float(rows[(" static:0 ", " 1 ")][0]) / 144.9 - 1) < 0.10
+    assert abs(float(rows[(" static:3 ", " 4 ")][0]) / 643.85 - 1) < 0.15
+    assert "2 points: mean absolute error" in out
+    assert realgpu_sim.main(["--sim", str(tmp_path / "none.json"), str(path)]) == 2

@@ -19,15 +19,18 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import sys
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import policyswap  # noqa: E402  (this folder's module: which zip each policy name serves)
+
 DEPTHS = (0, 1, 2, 3, 5)  # realgpu.DEPTHS: the hook server's depths
-ZIPS = {"ppo": ROOT / "agents" / "bundled" / "h200-llama8b" / "ppo.zip"}  # policyswap.NAMED_ZIPS["ppo"]
 
 
 def measured(paths: list[Path]) -> dict[tuple[str, int], list[float]]:
@@ -41,29 +44,22 @@ def measured(paths: list[Path]) -> dict[tuple[str, int], list[float]]:
     return dict(out)
 
 
-def main() -> None:
+def replay(
+    params: Any, points: dict[tuple[str, int], list[float]], seeds: int
+) -> list[tuple[str, int, list[float], float | None]]:
+    """Each point's benchmark in the simulator: (policy, C, measured tok/s per repetition,
+    simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule)."""
+    from controller.errors import PolicyLoadError
     from controller.registry import make_factory
-    from env.params import SimParams
     from env.runner import simulate
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sim", type=Path, required=True, help="the fitted sim.json")
-    ap.add_argument("csv", type=Path, nargs="+", help="realgpu summary.csv files")
-    ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--prefix-hit", type=float, default=0.99)
-    args = ap.parse_args()
-    params = SimParams.from_dict(json.loads(args.sim.read_text()))
-    params = replace(params, engine=replace(params.engine, prefix_cache_hit=args.prefix_hit))
-    points = measured(args.csv)
-    print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
-    print("|---|---|---|---|---|")
-    errors = []
-    for (policy, c), reps in sorted(points.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        spec = str(ZIPS[policy]) if policy in ZIPS else f"builtin:{policy}"
+    out: list[tuple[str, int, list[float], float | None]] = []
+    for (policy, c), reps in sorted(points.items()):
+        spec = policyswap.resolve(policy).spec
         try:
             factory = make_factory(spec, DEPTHS)
-        except Exception as exc:  # a policy the simulator cannot run (SGLang's own rule): say so
-            print(f"| {policy} | {c} | {np.mean(reps):.0f} | - | not simulated ({type(exc).__name__}) |")
+        except PolicyLoadError:
+            out.append((policy, c, reps, None))
             continue
         sims = [
             simulate(
@@ -74,19 +70,45 @@ def main() -> None:
                 seed=seed,
                 action_delay=1,
             ).throughput_tok_s
-            for seed in range(args.seeds)
+            for seed in range(seeds)
         ]
-        real, sim = float(np.mean(reps)), float(np.mean(sims))
+        out.append((policy, c, reps, float(np.mean(sims))))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from env.params import SimParams
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sim", type=Path, required=True, help="the fitted sim.json")
+    ap.add_argument("csv", type=Path, nargs="+", help="realgpu summary.csv files")
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--prefix-hit", type=float, default=0.99)
+    args = ap.parse_args(argv)
+    missing = [str(p) for p in (args.sim, *args.csv) if not p.is_file()]
+    if missing:
+        print(f"realgpu_sim: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    params = SimParams.from_dict(json.loads(args.sim.read_text()))
+    params = replace(params, engine=replace(params.engine, prefix_cache_hit=args.prefix_hit))
+    print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
+    print("|---|---|---|---|---|")
+    errors = []
+    for policy, c, reps, sim in replay(params, measured(args.csv), args.seeds):
+        real = float(np.mean(reps))
+        if sim is None:
+            print(f"| {policy} | {c} | {real:.0f} | - | not simulated |")
+            continue
         errors.append(sim / real - 1.0)
         print(
             f"| {policy} | {c} | {real:.0f} ({min(reps):.0f}-{max(reps):.0f}) | {sim:.0f} | {100 * (sim / real - 1):+.1f}% |"
         )
-    err = np.abs(np.array(errors))
-    worst = int(np.argmax(err))
-    print(
-        f"\n{len(err)} points: mean absolute error {100 * err.mean():.1f}%, worst {100 * errors[worst]:+.1f}%"
-    )
+    if errors:
+        err = np.abs(np.array(errors))
+        worst = errors[int(np.argmax(err))]
+        print(f"\n{len(err)} points: mean absolute error {100 * err.mean():.1f}%, worst {100 * worst:+.1f}%")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
