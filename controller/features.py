@@ -291,11 +291,15 @@ def fuse(consume: Callable[[np.ndarray], T]) -> Callable[..., T] | None:
     return njit_uncached(fold_then)
 
 
+def featurizer_version_of(policy: object) -> int:
+    """The Featurizer version ``policy`` (or a factory of such policies) decides from: the one
+    it was trained on (:class:`~controller.policy.VersionedPolicy`), else the current one."""
+    return policy.featurizer_version if isinstance(policy, VersionedPolicy) else FEATURIZER_VERSION
+
+
 def featurizer_for(policy: object, depths: Sequence[int]) -> Featurizer:
-    """The Featurizer ``policy`` decides from: the version it was trained on
-    (:class:`~controller.policy.VersionedPolicy`), else the current one."""
-    version = policy.featurizer_version if isinstance(policy, VersionedPolicy) else FEATURIZER_VERSION
-    return Featurizer(depths, version)
+    """The Featurizer ``policy`` decides from (:func:`featurizer_version_of`)."""
+    return Featurizer(depths, featurizer_version_of(policy))
 
 
 def warm_up(kernel: Callable[..., Any] | None = None, depths: Sequence[int] = (0, 1)) -> None:

@@ -56,7 +56,7 @@ import zmq
 from controller.baselines import StaticPolicy
 from controller.cpus import usable_cpus
 from controller.errors import ConfigError, ControllerError, PolicyLoadError
-from controller.features import FEATURIZER_VERSION, Featurizer, featurizer_for
+from controller.features import Featurizer, featurizer_for, featurizer_version_of
 from controller.features import warm_up as warm_up_featurizer
 from controller.metrics import LATENCY_BUCKETS_NS, ServiceStats
 from controller.objective import THROUGHPUT
@@ -884,8 +884,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         server.objective,
         server.endpoint,
         PROTOCOL_VERSION,
-        # A PPO zip keeps the version it was trained on; builtins take the current one.
-        getattr(server.factory, "featurizer_version", FEATURIZER_VERSION),
+        featurizer_version_of(server.factory),  # a PPO zip's own; builtins the current one
         server.poll_mode,
         f", recording to {config.record}" if config.record else "",
         f", metrics on 127.0.0.1:{config.metrics_port}" if config.metrics_port else "",

@@ -181,14 +181,14 @@ def test_other_featurizer_version_is_refused(tmp_path):
 def test_a_zip_of_an_older_featurizer_version_is_served_with_that_version():
     """A user's zip keeps working after an upgrade: the policy served in the H200 calls
     (Featurizer version 2) is simulated with the observation it was trained on."""
-    from controller.features import featurizer_for
+    from controller.features import featurizer_for, featurizer_version_of
     from env.deployments import load_deployment
     from env.runner import simulate
 
     path = Path(__file__).resolve().parents[1] / "bench/results/h200/ppo2/ppo.zip"
     depths = (0, 1, 3, 5)
     factory = load_ppo_factory(path, depths)
-    assert factory.featurizer_version == 2  # what `controller serve` says at start
+    assert featurizer_version_of(factory) == 2  # what `controller serve` says at start
     policy = factory(depths)
     assert policy.featurizer_version == 2 and featurizer_for(policy, depths).version == 2
     assert featurizer_for(make_factory("builtin:static:1")(depths), depths).version == FEATURIZER_VERSION
