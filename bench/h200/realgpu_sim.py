@@ -17,7 +17,6 @@ is left at the fit's). Prints one row per point and the mean and worst absolute 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from collections import defaultdict
@@ -28,19 +27,17 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import policyswap  # noqa: E402  (this folder's module: which zip each policy name serves)
-
-DEPTHS = (0, 1, 2, 3, 5)  # realgpu.DEPTHS: the hook server's depths
+import policyswap  # noqa: E402  (this folder's modules: which zip each policy name serves,
+import realgpu_report  # noqa: E402  the calls' summary.csv,
+from realgpu import DEPTHS  # noqa: E402  the hook server's depths)
 
 
 def measured(paths: list[Path]) -> dict[tuple[str, int], list[float]]:
     """(policy, C) → tok/s of each repetition, closed points only."""
     out: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for path in paths:
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                if row["workload"].startswith("closed") and row["policy"] != "plain":
-                    out[(row["policy"], int(row["concurrency"]))].append(float(row["tok_s"]))
+    for row in realgpu_report.read_rows(paths):
+        if row["workload"].startswith("closed") and row["policy"] != "plain":
+            out[(row["policy"], row["concurrency"])].append(row["tok_s"])
     return dict(out)
 
 
@@ -81,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sim", type=Path, required=True, help="the fitted sim.json")
-    ap.add_argument("csv", type=Path, nargs="+", help="realgpu summary.csv files")
+    ap.add_argument("csv", type=Path, nargs="+", help="realgpu summary.csv files (or the call folders)")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--prefix-hit", type=float, default=0.99)
     args = ap.parse_args(argv)
-    missing = [str(p) for p in (args.sim, *args.csv) if not p.is_file()]
+    missing = [str(args.sim)] if not args.sim.is_file() else []
+    missing += [str(p) for p in args.csv if not (p.is_file() or (p / "summary.csv").is_file())]
     if missing:
         print(f"realgpu_sim: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
