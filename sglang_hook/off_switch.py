@@ -28,12 +28,24 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
 - ``keep`` (default): the drafter's one-token extend runs every step (SGLang's own, with its
   own CUDA graph), so its KV cache and next proposal stay current and turning drafting back on
   loses nothing (the failure to rule out is a drafter left stale while off: TensorRT-LLM
-  #16888). Its cost is one drafter layer per step.
-- ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: cheaper while off, but the
-  drafter's KV misses every position decoded while off (measured, not recommended).
+  #16888). Its cost is the drafter's whole layer and LM head per step: about 6% of an 8B
+  target's weight reads, 3-13% of a plain server's throughput measured on the H200.
+- ``kv``: only the drafter's keys and values for the new position are computed and stored
+  (:class:`DraftKVOnly`): embedding, fc, the two norms, the qkv projection and RoPE; no
+  attention, MLP or LM head. An EAGLE-3 layer's keys and values at a position depend only on
+  that position's token and the target's hidden states, never on the drafter's earlier
+  outputs, so the drafter's cache stays exact. What is not current is its next proposal: the
+  first step after drafting resumes drafts from a zeroed state (as ``skip`` does) and loses
+  that one step's drafts. Single-layer EAGLE-3 drafters on a plain MHA KV pool only; anything
+  else runs ``keep``.
+- ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: nothing runs, but the
+  drafter's KV misses every position decoded while off, for the rest of those requests.
 
 Invariants:
 - Only depth 0 changes: a state or a step with ``draft_token_num != 1`` goes to SGLang as is.
+- ``kv`` writes exactly the drafter KV entries SGLang's extend would write (same slots, same
+  modules, same order of operations) and returns SGLang a zeroed proposal of the shapes its
+  extend returns; every other field of the step is SGLang's.
 - The DECODE forward runs only through a graph captured in DECODE mode (or eagerly); a
   TARGET_VERIFY graph is never replayed with a DECODE batch. If the plain graph cannot be
   built, depth 0 keeps SGLang's verify path (logged once).
@@ -49,19 +61,27 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 logger = logging.getLogger("sglang_hook")
 
 ENV_OFF_PATH = "SPECDEPTH_OFF_PATH"  # "plain" (default) or "sglang": SGLang's own depth 0
-ENV_OFF_DRAFT = "SPECDEPTH_OFF_DRAFT"  # "keep" (default) or "skip"
+ENV_OFF_DRAFT = "SPECDEPTH_OFF_DRAFT"  # "keep" (default), "kv" or "skip"
+OFF_DRAFTS = ("keep", "kv", "skip")
 SGLANG_SKIP_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
+# A diagnostic for the GPU benchmarks: under ``kv``, the first N depth-0 steps of each scheduler
+# also run SGLang's whole extend over the slots just written and log how far apart they are.
+ENV_OFF_DRAFT_CHECK = "SPECDEPTH_OFF_DRAFT_CHECK"
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
 BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
 # run_eagle_verify calls the name bound in eagle_worker_common, so that is the one to wrap.
 PREPARE_VERIFY = "sglang.srt.speculative.eagle_worker_common.eagle_prepare_for_verify"
 PLAIN_MARK = "specdepth_plain_decode"
+KV_BROKEN_MARK = "specdepth_kv_broken"  # set on a draft worker whose KV-only update cannot run
+# The drafter's extend after each verify; at depth 0 with ``kv`` its graph runner is swapped.
+DRAFT_EXTEND = WORKER + ".EagleDraftWorker._draft_extend_for_decode"
 # The width the drafter's extend graphs are captured at, as the graph runner looks it up.
 DRAFT_EXTEND_WIDTH = "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.resolve_num_tokens_per_req"
 
@@ -74,7 +94,14 @@ class OffCounters:
     plain_steps: int = 0  # depth-0 steps run as a plain decode
     graph_steps: int = 0  # ... of which replayed a CUDA graph
     verify_fallbacks: int = 0  # depth-0 steps that went through SGLang's verify instead
+    kv_steps: int = 0  # depth-0 steps whose drafter extend only stored keys and values
+    kv_fallbacks: int = 0  # ... that ran SGLang's whole extend instead (unsupported or failed)
     errors: int = 0  # exceptions caught here
+    # ENV_OFF_DRAFT_CHECK: steps compared, those stored bit for bit alike, the largest differences
+    kv_checked: int = 0
+    kv_identical: int = 0
+    kv_max_dk: float = 0.0
+    kv_max_dv: float = 0.0
 
 
 COUNTERS = OffCounters()
@@ -94,27 +121,28 @@ class OffConfig:
 
     Attributes:
         plain: depth 0 as a plain decode (this module); ``False`` = SGLang's own depth 0.
-        keep_draft: run the drafter's extend at depth 0 so drafting resumes on a current drafter.
+        draft: what the drafter does at depth 0, one of :data:`OFF_DRAFTS` (module docstring).
     """
 
     plain: bool = True
-    keep_draft: bool = True
+    draft: str = "keep"
+
+    def __post_init__(self) -> None:
+        if self.draft not in OFF_DRAFTS:
+            raise ValueError(f"{ENV_OFF_DRAFT}={self.draft!r}: expected {', '.join(OFF_DRAFTS[:-1])} or {OFF_DRAFTS[-1]}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OffConfig:
         """Read :data:`ENV_OFF_PATH` and :data:`ENV_OFF_DRAFT`; unknown values raise ``ValueError``."""
         env = dict(os.environ) if env is None else env
         path = env.get(ENV_OFF_PATH, "plain")
-        draft = env.get(ENV_OFF_DRAFT, "keep")
         if path not in ("plain", "sglang"):
             raise ValueError(f"{ENV_OFF_PATH}={path!r}: expected plain or sglang")
-        if draft not in ("keep", "skip"):
-            raise ValueError(f"{ENV_OFF_DRAFT}={draft!r}: expected keep or skip")
-        return cls(plain=path == "plain", keep_draft=draft == "keep")
+        return cls(plain=path == "plain", draft=env.get(ENV_OFF_DRAFT, "keep"))
 
     def to_env(self) -> dict[str, str]:
         """The variables :meth:`from_env` reads back (the launcher hands them to the schedulers)."""
-        return {ENV_OFF_PATH: "plain" if self.plain else "sglang", ENV_OFF_DRAFT: "keep" if self.keep_draft else "skip"}
+        return {ENV_OFF_PATH: "plain" if self.plain else "sglang", ENV_OFF_DRAFT: self.draft}
 
 
 def plain_runner_class(base: type) -> type:
@@ -300,6 +328,188 @@ def draft_extend_width_hook(original: Any, *args: Any, **kwargs: Any) -> Any:
     return original(*args, **kwargs)
 
 
+def kv_only_unsupported(model: Any, pool: Any) -> str:
+    """Why :class:`DraftKVOnly` cannot stand in for this drafter's extend ("" = it can).
+
+    The keys and values of a drafter layer depend on nothing but the step's inputs only for
+    the first (input) layer of an EAGLE-3 head; deeper layers read the first one's attention
+    output. The write goes through the pool's own ``set_kv_buffer``, which for pools that
+    translate slots (SWA, hybrid, unified) needs the attention backend's per-step metadata.
+    """
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "fc"):
+        return f"not an EAGLE-3 drafter ({type(model).__name__})"
+    if len(layers) != 1 or not getattr(layers[0], "is_input_layer", True):
+        return f"{len(layers)} drafter layers (one supported)"
+    if getattr(inner, "is_mrope_enabled", False):
+        return "M-RoPE drafter"
+    if type(pool).__name__ != "MHATokenToKVPool":
+        return f"KV pool {type(pool).__name__} (MHATokenToKVPool supported)"
+    return ""
+
+
+def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden: Any, out_cache_loc: Any) -> None:
+    """Store an EAGLE-3 drafter's keys and values for one extend, and compute nothing else.
+
+    The steps of SGLang's ``llama_eagle3.LlamaModel.forward`` and of its input decoder layer up
+    to the attention, through the drafter's own modules: the token embedding; the target's
+    auxiliary hidden states through the optional norms and ``fc``; both normed and joined; the
+    attention's qkv projection and RoPE (``forward_prepare_native``, which SGLang's own layer
+    calls); then the write SGLang's attention backends make before attending.
+    """
+    import torch
+
+    inner = model.model
+    layer = inner.layers[0]
+    embeds = inner.embed_tokens(input_ids)
+    if hidden.shape[-1] != embeds.shape[-1]:
+        if getattr(inner, "input_norm", None) is not None:
+            hidden = inner.input_norm(hidden)
+        if getattr(inner, "fc_norm", None) is not None:
+            chunks = hidden.chunk(inner.num_aux_hidden_states, dim=-1)
+            hidden = torch.cat([norm(chunk) for norm, chunk in zip(inner.fc_norm, chunks)], dim=-1)
+        hidden = inner.fc(hidden)
+    joined = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+    attn = layer.self_attn
+    _, k, v = attn.forward_prepare_native(positions, joined)
+    radix = attn.attn
+    k = k.view(-1, radix.tp_k_head_num, radix.qk_head_dim)
+    v = v.view(-1, radix.tp_v_head_num, radix.v_head_dim)
+    if radix.k_scale is None:
+        pool.set_kv_buffer(radix, out_cache_loc, k, v)
+    else:  # the backends hand scaled pools clones: the pool may scale in place
+        pool.set_kv_buffer(radix, out_cache_loc, k.clone(), v.clone(), radix.k_scale, radix.v_scale)
+
+
+class DraftKVOnly:
+    """Stands in for the drafter's extend graph runner at depth 0 under ``kv``.
+
+    SGLang's ``_draft_extend_for_decode`` runs unchanged around it: it prepares the extend's
+    forward batch (slots, positions, the target's hidden states) without attention metadata,
+    because :meth:`can_run_graph` says a graph will run, then calls :meth:`execute`, which
+    stores the keys and values and returns zero logits and hidden states of the shapes the
+    extend returns (SGLang turns them into the next proposal: rejected, one step lost on
+    resume). If the write fails, the step runs SGLang's whole extend (``fallback``) and ``kv``
+    is off for the rest of the process.
+    """
+
+    def __init__(self, worker: Any, fallback: Any, check_steps: int = 0) -> None:
+        self.worker = worker
+        self.fallback = fallback
+        self.check_steps = check_steps
+
+    def can_run_graph(self, forward_batch: Any) -> bool:
+        return True
+
+    def execute(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        runner = self.worker.draft_runner
+        try:
+            draft_kv_only(
+                runner.model,
+                runner.token_to_kv_pool,
+                forward_batch.input_ids,
+                forward_batch.positions,
+                forward_batch.spec_info.hidden_states,
+                forward_batch.out_cache_loc,
+            )
+        except Exception:
+            COUNTERS.errors += 1
+            COUNTERS.kv_fallbacks += 1
+            setattr(self.worker, KV_BROKEN_MARK, True)
+            _log_once("kv", logging.ERROR, "spec controller: drafter KV-only update failed; whole extends from now on", exc=True)
+            return self._whole_extend(forward_batch, *args, **kwargs)
+        COUNTERS.kv_steps += 1
+        if COUNTERS.kv_checked < self.check_steps:
+            try:
+                self._check(forward_batch, *args, **kwargs)
+            except Exception:
+                COUNTERS.errors += 1
+                _CHECK.steps = 0
+                _log_once("kv-check", logging.ERROR, "spec controller: kv check failed; no more checks", exc=True)
+        from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
+
+        # The shapes SGLang's extend returns, as its own skip stub makes them: one row per
+        # request (one token each at depth 0), the drafter's vocabulary and recurrent state.
+        bs = int(forward_batch.batch_size)
+        config = runner.model_config
+        vocab = int(getattr(config.hf_config, "draft_vocab_size", None) or config.vocab_size)
+        width, dtype = get_draft_recurrent_hidden_state_spec(runner)
+        device = forward_batch.input_ids.device
+        return LogitsProcessorOutput(
+            next_token_logits=torch.zeros((bs, vocab), dtype=torch.float32, device=device),
+            hidden_states=None if width is None else torch.zeros((bs, width), dtype=dtype, device=device),
+        )
+
+    def _check(self, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
+        """SGLang's whole extend over the slots the KV-only update just wrote: how far apart?
+
+        Synchronises with the GPU; a benchmark turns it on for its warm-up only."""
+        import torch
+
+        runner = self.worker.draft_runner
+        radix = runner.model.model.layers[0].self_attn.attn
+        k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(radix.layer_id)
+        loc = forward_batch.out_cache_loc
+        ours_k, ours_v = k_buf[loc].float(), v_buf[loc].float()
+        self._whole_extend(forward_batch, *args, **kwargs)
+        theirs_k, theirs_v = k_buf[loc].float(), v_buf[loc].float()
+        c = COUNTERS
+        c.kv_checked += 1
+        c.kv_identical += int(torch.equal(ours_k, theirs_k) and torch.equal(ours_v, theirs_v))
+        c.kv_max_dk = max(c.kv_max_dk, float((ours_k - theirs_k).abs().max()))
+        c.kv_max_dv = max(c.kv_max_dv, float((ours_v - theirs_v).abs().max()))
+        if c.kv_checked in (1, 10, 100) or c.kv_checked == self.check_steps:
+            logger.info(
+                "spec controller: kv check %d steps, %d identical, max |dk| %.3g (|k| up to %.3g), max |dv| %.3g",
+                c.kv_checked, c.kv_identical, c.kv_max_dk, float(theirs_k.abs().max()), c.kv_max_dv,
+            )  # fmt: skip
+
+    def _whole_extend(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """SGLang's extend for this step: its graph if one fits, else eagerly with fresh metadata."""
+        if self.fallback is not None and self.fallback.can_run_graph(forward_batch):
+            return self.fallback.execute(forward_batch, *args, **kwargs)
+        runner = self.worker.draft_runner
+        runner.attn_backend.init_forward_metadata(forward_batch)
+        out = runner.forward(forward_batch).logits_output
+        select = args[0] if args else kwargs.get("select_index")
+        if select is not None:  # 0.5.23's graph path returns the selected rows; keep that shape
+            out.next_token_logits = out.next_token_logits[select]
+            if out.hidden_states is not None:
+                out.hidden_states = out.hidden_states[select]
+        return out
+
+
+_CHECK = SimpleNamespace(steps=0)  # ENV_OFF_DRAFT_CHECK, read at install
+
+
+def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``EagleDraftWorker._draft_extend_for_decode``: at depth 0, keys and values only."""
+    if (
+        getattr(worker, "speculative_num_steps", None) != 0
+        or batch.forward_mode.is_idle()
+        or getattr(worker, KV_BROKEN_MARK, False)
+    ):
+        return original(worker, batch, batch_result, *args, **kwargs)
+    why = kv_only_unsupported(worker.draft_runner.model, worker.draft_runner.token_to_kv_pool)
+    if why:
+        COUNTERS.kv_fallbacks += 1
+        setattr(worker, KV_BROKEN_MARK, True)
+        _log_once("kv-unsupported", logging.WARNING, "spec controller: --spec-off-draft kv unsupported here (%s); keep", why)
+        return original(worker, batch, batch_result, *args, **kwargs)
+    saved = worker.cuda_graph_runner_for_draft_extend
+    worker.cuda_graph_runner_for_draft_extend = DraftKVOnly(worker, saved, _CHECK.steps)
+    if COUNTERS.kv_steps == 0:
+        logger.info("spec controller: depth 0 stores the drafter's keys and values only (bs %d)", len(batch.seq_lens))
+    try:
+        return original(worker, batch, batch_result, *args, **kwargs)
+    finally:
+        worker.cuda_graph_runner_for_draft_extend = saved
+
+
 HOOKS = ((BUILD_STATE, build_state_hook), (PREPARE_VERIFY, prepare_verify_hook))
 
 
@@ -307,12 +517,16 @@ def install(register: Any, config: OffConfig) -> None:
     """Register the off switch's hooks through ``register(target, fn)`` (SGLang's AROUND hooks).
 
     With ``skip`` the drafter's extend is left out at depth 0 through SGLang's own switch,
-    which scheduler children read from the environment they inherit.
+    which scheduler children read from the environment they inherit; with ``kv`` it is
+    replaced by :class:`DraftKVOnly`.
     """
     register(DRAFT_EXTEND_WIDTH, draft_extend_width_hook)  # every depth, whatever the off path
     if not config.plain:
         return
-    if not config.keep_draft:
+    if config.draft == "skip":
         os.environ[SGLANG_SKIP_ENV] = "1"
+    if config.draft == "kv":
+        _CHECK.steps = int(os.environ.get(ENV_OFF_DRAFT_CHECK, "0") or 0)
+        register(DRAFT_EXTEND, draft_extend_hook)
     for target, fn in HOOKS:
         register(target, fn)

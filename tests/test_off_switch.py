@@ -27,12 +27,14 @@ pytestmark = pytest.mark.sglang
 
 
 def test_config_from_env() -> None:
-    assert off_switch.OffConfig.from_env({}) == off_switch.OffConfig(plain=True, keep_draft=True)
+    assert off_switch.OffConfig.from_env({}) == off_switch.OffConfig(plain=True, draft="keep")
     cfg = off_switch.OffConfig.from_env({off_switch.ENV_OFF_PATH: "sglang", off_switch.ENV_OFF_DRAFT: "skip"})
-    assert cfg == off_switch.OffConfig(plain=False, keep_draft=False)
+    assert cfg == off_switch.OffConfig(plain=False, draft="skip")
+    assert off_switch.OffConfig.from_env(cfg.to_env()) == cfg
+    assert off_switch.OffConfig.from_env({off_switch.ENV_OFF_DRAFT: "kv"}).draft == "kv"
     with pytest.raises(ValueError, match="plain or sglang"):
         off_switch.OffConfig.from_env({off_switch.ENV_OFF_PATH: "fast"})
-    with pytest.raises(ValueError, match="keep or skip"):
+    with pytest.raises(ValueError, match="keep, kv or skip"):
         off_switch.OffConfig.from_env({off_switch.ENV_OFF_DRAFT: "maybe"})
 
 
@@ -276,6 +278,14 @@ def test_plugin_installs_the_off_switch_by_default(monkeypatch: pytest.MonkeyPat
         import os
 
         assert os.environ.get(off_switch.SGLANG_SKIP_ENV) == "1"
+        assert not HookRegistry._hooks.get(off_switch.DRAFT_EXTEND)
+        monkeypatch.delenv(off_switch.SGLANG_SKIP_ENV)
+        HookRegistry._hooks.clear()
+        monkeypatch.setenv(off_switch.ENV_OFF_DRAFT, "kv")
+        plugin.register()
+        extend = HookRegistry._hooks.get(off_switch.DRAFT_EXTEND, [])
+        assert any(h is off_switch.draft_extend_hook for _, h, _ in extend)
+        assert off_switch.SGLANG_SKIP_ENV not in os.environ
     finally:
         HookRegistry._hooks.clear()
         HookRegistry._hooks.update(saved)
@@ -316,3 +326,237 @@ def test_sglang_rule_is_quiet_only_while_it_is_not_in_charge() -> None:
     assert flt.filter(record("something else"))
     assert not flt.filter(record("Switch adaptive runtime state: steps 3 -> 0, draft_tokens 4 -> 1"))
     assert not actuator.QuietWhileControlled(actuator.ActuatorState(), fixed_fallback=True).filter(record(line))
+
+
+# --- ``kv``: the drafter's keys and values only, checked against SGLang's own EAGLE-3 head ---
+
+
+@pytest.fixture(scope="module")
+def eagle3() -> Any:
+    """SGLang's ``LlamaForCausalLMEagle3`` at a tiny shape, built on this CPU.
+
+    SGLang's layers need model-parallel groups even at one rank (SGLang's own test helper makes
+    them). Its RoPE picks a GPU kernel at construction unless it believes the host is its CPU
+    engine; the module's flag is set for the construction only, so RoPE runs its native path.
+    """
+    import socket
+
+    import torch
+    from sglang.srt.layers.rotary_embedding import base as rope_base
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.test.layer_ut_utils import init_single_process_dist
+    from transformers import LlamaConfig
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init_single_process_dist(port)
+
+    def build(**extra: Any) -> Any:
+        cfg = LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=extra.pop("layers", 1), vocab_size=300, max_position_embeddings=512,
+            rms_norm_eps=1e-5, torch_dtype="float32",
+        )  # fmt: skip
+        cfg.draft_vocab_size = 100
+        for k, v in extra.items():
+            setattr(cfg, k, v)
+        saved = rope_base._is_cpu
+        rope_base._is_cpu = True
+        try:
+            model = LlamaForCausalLMEagle3(cfg)
+        finally:
+            rope_base._is_cpu = saved
+        gen = torch.Generator().manual_seed(len(extra))
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (param.dim() == 1))
+        return model
+
+    return build
+
+
+def pool_for(model: Any, size: int = 256) -> Any:
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    radix = model.model.layers[0].self_attn.attn
+    return MHATokenToKVPool(
+        size=size, page_size=1, dtype=torch.float32, head_num=radix.tp_k_head_num, head_dim=radix.qk_head_dim,
+        layer_num=1, device="cpu", enable_memory_saver=False, start_layer=radix.layer_id,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", [{}, {"use_aux_norm": True}, {"norm_before_fc": True}])
+def test_kv_only_stores_what_sglangs_drafter_hands_its_attention(
+    eagle3: Any, variant: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reference is SGLang's own drafter forward: the keys and values its layer gives the
+    attention backend to store (the backend stores them as given). The KV-only update must
+    store exactly those, at the step's slots, through SGLang's real KV pool."""
+    import torch
+    from sglang.srt.layers import radix_attention
+
+    model = eagle3(**variant)
+    seen: dict[str, Any] = {}
+
+    class Backend:
+        def forward(self, q: Any, k: Any, v: Any, layer: Any, fb: Any, save_kv_cache: bool = True, **kw: Any) -> Any:
+            seen.update(k=k.clone(), v=v.clone(), layer=layer, save=save_kv_cache)
+            return torch.zeros_like(q)
+
+    monkeypatch.setattr(radix_attention, "get_attn_backend", lambda: Backend())
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 300, (5,), generator=gen)
+    positions = torch.tensor([3, 17, 40, 8, 100])
+    hidden = torch.randn(5, 3 * 64, generator=gen)  # the target's three auxiliary layers
+    fb = SimpleNamespace(
+        forward_mode=ForwardMode.DRAFT_EXTEND_V2, mm_input_embeds=None, contains_mm_inputs=lambda: False,
+        spec_info=SimpleNamespace(hidden_states=hidden), positions=positions,
+    )  # fmt: skip
+    with torch.inference_mode():
+        model.model(ids, positions, fb)
+    assert seen["save"] and seen["k"].shape == (5, 2, 16)
+
+    pool = pool_for(model)
+    assert off_switch.kv_only_unsupported(model, pool) == ""
+    loc = torch.tensor([10, 11, 50, 51, 200])
+    with torch.inference_mode():
+        off_switch.draft_kv_only(model, pool, ids, positions, hidden, loc)
+    k_buf, v_buf = pool.get_kv_buffer(seen["layer"].layer_id)
+    torch.testing.assert_close(k_buf[loc], seen["k"], rtol=0, atol=0)
+    torch.testing.assert_close(v_buf[loc], seen["v"], rtol=0, atol=0)
+    untouched = torch.ones(k_buf.shape[0], dtype=torch.bool)  # the pool's rows, padding included
+    untouched[loc] = False
+    assert not k_buf[untouched].any() and not v_buf[untouched].any()  # no other slot written
+
+
+def test_kv_only_refuses_what_it_cannot_keep_exact(eagle3: Any) -> None:
+    deep = eagle3(layers=2)
+    assert "2 drafter layers" in off_switch.kv_only_unsupported(deep, pool_for(deep))
+    model = eagle3()
+    assert "KV pool" in off_switch.kv_only_unsupported(model, SimpleNamespace())
+    assert "not an EAGLE-3 drafter" in off_switch.kv_only_unsupported(SimpleNamespace(), pool_for(model))
+
+
+class ExtendGraph:
+    """The drafter's extend graph runner as SGLang's extend uses it."""
+
+    def __init__(self) -> None:
+        self.ran: list[Any] = []
+
+    def can_run_graph(self, fb: Any) -> bool:
+        return True
+
+    def execute(self, fb: Any, *args: Any) -> Any:
+        self.ran.append(fb)
+        return "whole extend"
+
+
+def sglang_extend(log: list[Any]) -> Any:
+    """What ``_draft_extend_for_decode`` does with the runner it finds: ask, then execute."""
+
+    def extend(worker: Any, batch: Any, result: Any, **kw: Any) -> Any:
+        runner = worker.cuda_graph_runner_for_draft_extend
+        fb = SimpleNamespace(batch_size=3, input_ids=batch.input_ids, positions=batch.positions,
+                             spec_info=SimpleNamespace(hidden_states=batch.hidden), out_cache_loc=batch.loc)  # fmt: skip
+        log.append(runner)
+        assert runner.can_run_graph(fb)  # no attention metadata is planned for the extend
+        return runner.execute(fb)
+
+    return extend
+
+
+def draft_worker(model: Any, pool: Any, steps: int) -> Any:
+    import torch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    config = SimpleNamespace(hf_config=model.config, vocab_size=300, spec_hidden_size=64, dtype=torch.float32)
+    runner = SimpleNamespace(model=model, token_to_kv_pool=pool, model_config=config,
+                             spec_algorithm=SpeculativeAlgorithm.EAGLE3)  # fmt: skip
+    return SimpleNamespace(speculative_num_steps=steps, cuda_graph_runner_for_draft_extend=ExtendGraph(),
+                           draft_runner=runner)  # fmt: skip
+
+
+def extend_batch() -> Any:
+    import torch
+
+    return SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, input_ids=torch.tensor([1, 2, 3]), positions=torch.tensor([4, 9, 2]),
+        hidden=torch.randn(3, 192), loc=torch.tensor([7, 8, 9]), seq_lens=torch.tensor([4, 9, 2]),
+    )  # fmt: skip
+
+
+def test_depth_0_extends_store_kv_only_and_return_sglangs_shapes(eagle3: Any) -> None:
+    import torch
+
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    graph = worker.cuda_graph_runner_for_draft_extend
+    log: list[Any] = []
+    kv_steps = off_switch.COUNTERS.kv_steps
+    with torch.inference_mode():
+        out = off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None)
+    assert isinstance(log[0], off_switch.DraftKVOnly) and graph.ran == []
+    assert worker.cuda_graph_runner_for_draft_extend is graph  # SGLang's runner is back
+    assert out.next_token_logits.shape == (3, 100) and not out.next_token_logits.any()  # draft vocab
+    assert out.hidden_states.shape == (3, 64) and out.hidden_states.dtype == torch.float32
+    assert off_switch.COUNTERS.kv_steps == kv_steps + 1
+    k_buf, _ = pool.get_kv_buffer(model.model.layers[0].self_attn.attn.layer_id)
+    assert k_buf[[7, 8, 9]].abs().sum(dim=(1, 2)).gt(0).all() and not k_buf[:7].any()
+
+    worker.speculative_num_steps = 3  # drafting: SGLang's extend as is
+    assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
+    assert log[-1] is graph
+
+
+def test_a_failing_kv_update_runs_the_whole_extend_from_then_on(eagle3: Any) -> None:
+    model = eagle3()
+    worker = draft_worker(model, SimpleNamespace(), steps=0)  # a pool the check refuses
+    log: list[Any] = []
+    assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
+    assert log == [worker.cuda_graph_runner_for_draft_extend]
+
+    import torch
+
+    class BrokenPool:  # passes the check, fails the write: SGLang changed under the hook
+        def set_kv_buffer(self, *a: Any, **kw: Any) -> None:
+            raise RuntimeError("SGLang changed")
+
+    BrokenPool.__name__ = "MHATokenToKVPool"
+    worker = draft_worker(model, BrokenPool(), steps=0)
+    graph = worker.cuda_graph_runner_for_draft_extend
+    errors = off_switch.COUNTERS.errors
+    with torch.inference_mode():
+        assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
+    assert off_switch.COUNTERS.errors == errors + 1 and len(graph.ran) == 1
+    assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
+    assert log[-1] is graph  # no second try: the rest of the process runs SGLang's extend
+
+
+def test_the_kv_check_compares_with_sglangs_whole_extend(eagle3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SPECDEPTH_OFF_DRAFT_CHECK``: the GPU benchmark's proof that the two write the same."""
+    import torch
+
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+
+    class ShiftedExtend(ExtendGraph):  # SGLang's extend, if it wrote keys 0.5 higher
+        def execute(self, fb: Any, *args: Any) -> Any:
+            k_buf, _ = pool.get_kv_buffer(layer_id)
+            k_buf[fb.out_cache_loc] += 0.5
+            return super().execute(fb)
+
+    worker.cuda_graph_runner_for_draft_extend = ShiftedExtend()
+    monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=2))
+    monkeypatch.setattr(off_switch, "COUNTERS", off_switch.OffCounters())
+    with torch.inference_mode():
+        for _ in range(3):
+            off_switch.draft_extend_hook(sglang_extend([]), worker, extend_batch(), None)
+    c = off_switch.COUNTERS
+    assert (c.kv_steps, c.kv_checked, c.kv_identical) == (3, 2, 0)
+    assert c.kv_max_dk == pytest.approx(0.5) and c.kv_max_dv == 0.0
+    assert len(worker.cuda_graph_runner_for_draft_extend.ran) == 2  # the third step is not checked

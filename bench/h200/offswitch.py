@@ -13,6 +13,9 @@ Servers (``--servers``):
              fallback (no controller process), depth 0 as a plain decode (the off switch,
              ``sglang_hook/off_switch.py``), the drafter's extend kept.
   off-skip   the same, the drafter's extend skipped at depth 0 (``--spec-off-draft skip``).
+  off-kv     the same, the drafter's keys and values only (``--spec-off-draft kv``); its first
+             300 depth-0 steps (the warm-up) also run SGLang's whole extend and log how far
+             the two writes are apart (``SPECDEPTH_OFF_DRAFT_CHECK``).
   legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
 
 Every request is greedy with random token-id prompts; requests with the same (repetition,
@@ -73,6 +76,12 @@ class Kind:
     speculative: bool
     flags: tuple[str, ...] = ()  # the launcher's --spec-off-* flags
     sglang_rule: str = ""  # "default" / "tuned": SGLang's own adaptive rule, no hook
+    env: tuple[tuple[str, str], ...] = ()  # added to the server's environment
+
+    @property
+    def hook(self) -> bool:
+        """Started through ``sglang_hook.launch_server`` (a controller can drive it)."""
+        return self.speculative and not self.sglang_rule
 
 
 KINDS = {
@@ -80,6 +89,10 @@ KINDS = {
     "plain2": Kind("plain-control", False),  # a second plain server: the noise floor of every ratio
     "off": Kind("static:0", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
+    "off-kv": Kind(
+        "static:0-kv", True, ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
+        env=(("SPECDEPTH_OFF_DRAFT_CHECK", "300"),),
+    ),  # fmt: skip
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
     # SGLang's rule as users run it: --speculative-adaptive alone (its default tiers, depths 1/3/7
     # and 0 from batch 64), and with the launcher's tiers (every depth at every batch size).
@@ -98,6 +111,9 @@ class Server(run.Server):
         self.args = args
         self.depths: tuple[int, ...] = tuple(getattr(args, "depths", DEPTHS))
         self.endpoint = f"ipc:///tmp/specdepth-off-{label}.sock"
+
+    def start(self, env: dict[str, str]) -> None:
+        super().start({**env, **dict(self.kind.env)})
 
     def argv(self) -> list[str]:
         a = self.args

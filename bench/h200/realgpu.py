@@ -32,8 +32,10 @@ Stages (``--stages``, in this order):
   open     the shifting open-loop trace (``openloop.py``: Poisson, trickle -> overload ->
            trickle, chat -> code -> docs) of ``--open-s`` seconds, once per policy of
            ``--open-policies`` and repetition; ``concurrency`` is 0 in ``summary.csv``.
-  resume   acceptance around a resume on the hook server (scripted controller): depth 3 for
-           100 steps, 0 for 200, then 3, against the same requests held at depth 3.
+  resume   acceptance around a resume (scripted controller): depth 3 for 100 steps, 0 for
+           200, then 3, against the same requests held at depth 3; on each server of
+           ``--resume-servers`` (hook servers: ``off``, and ``off-kv`` / ``off-skip`` to compare
+           what the drafter does while off), ``--resume-conc`` requests of 1024 tokens.
 
 Method: before the stages every depth of ``--depths`` runs at every C (and a long prompt once)
 on the hook server, and every C on the others; before each timed point its prompts are sent
@@ -76,11 +78,10 @@ import testbed  # noqa: E402
 from loadgen import LoadSpec, run_load  # noqa: E402
 
 STAGES = ("accept", "closed", "long", "open", "resume")
-# The policies that are servers of their own (offswitch.KINDS label by summary.csv name).
-SERVER_POLICIES = {
-    k.policy: label for label, k in offswitch.KINDS.items() if not k.speculative or k.sglang_rule
-}
-HOOK = "off"
+HOOK = "off"  # the hook server every controller policy runs on
+# The policies that are servers of their own (offswitch.KINDS label by summary.csv name): plain,
+# SGLang's rules, and the other off-switch variants held at depth 0 by the hook's fallback.
+SERVER_POLICIES = {k.policy: label for label, k in offswitch.KINDS.items() if label != HOOK}
 DEPTHS = (0, 1, 2, 3, 5)  # the bundled PPO zip's depths: a zip refuses any other tuple
 BUILTINS = ("goodput", "vllm-dsd", "trtllm-schedule", "bandit", "sglang-adaptive", "sglang-adaptive-all")
 STATICS = ("static:0", "static:1", "static:3", "static:5")
@@ -158,36 +159,38 @@ class Bench:
         self.book = book
         self.by_label = {s.spec.label: s for s in live}
         self.deadline = run.T0 + args.deadline_s
-        self.swap: policyswap.ControllerSwap | None = None
         self.records = run.ROOT / f"traces_{int(run.T0)}"  # per call: a warm machine keeps the last call's
         self.pack = TracePack(self.records, args.out)
-        hook = self.by_label.get(HOOK)
-        if hook is not None:
-            self.swap = policyswap.ControllerSwap(
-                hook.endpoint, run.RES, self.records, run._env(),
-                poke=lambda: run_load(hook.url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
-                label=HOOK, on_stop=self.pack.add_new,
-            )  # fmt: skip
+        # A controller swap per hook server; only the resume stage drives those other than HOOK.
+        self.swaps: dict[str, policyswap.ControllerSwap] = {}
+        for label, server in self.by_label.items():
+            if server.kind.hook:
+                self.swaps[label] = policyswap.ControllerSwap(
+                    server.endpoint, run.RES, self.records, run._env(),
+                    poke=lambda url=server.url: run_load(url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
+                    label=label, on_stop=self.pack.add_new,
+                )  # fmt: skip
 
     def server_for(self, policy: str) -> offswitch.Server | None:
         return self.by_label.get(SERVER_POLICIES.get(policy, HOOK))
 
-    def use(self, policy: str) -> offswitch.Server | None:
-        """The server that runs ``policy``, with ``policy`` live on it; None if it cannot run."""
-        server = self.server_for(policy)
+    def use(self, policy: str, on: str = "") -> offswitch.Server | None:
+        """The server that runs ``policy`` (or hook server ``on``), with ``policy`` live on it;
+        None if it cannot run."""
+        server = self.by_label.get(on) if on else self.server_for(policy)
         if server is None:
-            self.book.res.event("no_server", policy=policy)
+            self.book.res.event("no_server", policy=policy, on=on)
             return None
-        if server.spec.label != HOOK:
+        label = server.spec.label
+        if label not in self.swaps or (label != HOOK and not on):
             return server
-        assert self.swap is not None
-        swap = self.swap.use(policyswap.resolve(policy))
+        swap = self.swaps[label].use(policyswap.resolve(policy))
         if swap.why == "already running":
             return server
         self.book.res.data.setdefault("swaps", []).append(
-            {"t_s": round(time.time() - run.T0, 1), **vars(swap)}
+            {"t_s": round(time.time() - run.T0, 1), "server": label, **vars(swap)}
         )
-        run.log(f"controller {policy}: {swap.why} (start {swap.start_s} s, hello {swap.hello_s} s)")
+        run.log(f"controller {policy} on {label}: {swap.why} (start {swap.start_s} s, hello {swap.hello_s} s)")
         return server if swap.live else None
 
     def time_left(self, need_s: float = 0.0) -> bool:
@@ -204,10 +207,10 @@ class Bench:
         self.book.add(server, rep, m, policy=policy, workload=workload)
 
     def stop(self) -> None:
-        if self.swap is not None:
-            stopped = self.swap.stop()  # packs its traces (on_stop)
+        for label, swap in self.swaps.items():
+            stopped = swap.stop()  # packs its traces (on_stop)
             if stopped:
-                self.book.res.data.setdefault("swaps", []).append({"stopped": stopped})
+                self.book.res.data.setdefault("swaps", []).append({"server": label, "stopped": stopped})
 
 
 def warm(bench: Bench, args: argparse.Namespace, stages: list[str]) -> None:
@@ -309,16 +312,21 @@ def stage_open(bench: Bench, args: argparse.Namespace) -> None:
 
 
 def stage_resume(bench: Bench, args: argparse.Namespace) -> None:
-    spec = LoadSpec(64, 64, args.input_tokens, 1024, seed=4321, mix="chat,code")
-    for schedule in ("phases:3x100,0x200,3", "static:3"):
-        if not bench.time_left():
-            bench.book.res.event("skipped_resume", schedule=schedule)
-            continue
-        server = bench.use(f"scripted:{schedule}")
-        if server is None:
-            continue
-        m = run_load(server.url, spec, timeout_s=max(30.0, bench.deadline - time.time() + 60))
-        bench.book.add(server, 0, m, policy=f"resume-{schedule}", workload="resume")
+    c = args.resume_conc
+    spec = LoadSpec(c, c, args.input_tokens, 1024, seed=4321, mix="chat,code")
+    for label in args.resume_servers:
+        for schedule in ("phases:3x100,0x200,3", "static:3"):
+            if not bench.time_left():
+                bench.book.res.event("skipped_resume", server=label, schedule=schedule)
+                continue
+            server = bench.use(f"scripted:{schedule}", on=label)
+            if server is None:
+                continue
+            m = run_load(server.url, spec, timeout_s=max(30.0, bench.deadline - time.time() + 60))
+            name = f"resume-{schedule}" if label == HOOK else f"resume-{label}-{schedule}"
+            bench.book.add(server, 0, m, policy=name, workload="resume")
+        if label != HOOK:  # back to its fallback depth 0, as the closed stage's server policies expect
+            bench.swaps[label].stop()
     bench.book.res.data["resume"] = analyze_resume(run.RES)
     bench.book.flush()
 
@@ -414,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mem-fraction", type=float, default=0.8)
     parser.add_argument("--max-total-tokens", type=int, default=139264,
                         help="KV cap per server: 16 long requests (8192 + 128) fit; 4 servers fit an H200")  # fmt: skip
+    parser.add_argument("--resume-servers", type=_list, default=[HOOK],
+                        help="resume stage: the hook servers to run it on (off, off-kv, off-skip)")  # fmt: skip
+    parser.add_argument("--resume-conc", type=int, default=64, help="resume stage: concurrent requests")
     parser.add_argument("--no-prefill-graph", action="store_true", default=True)
     parser.add_argument("--no-warm", action="store_true", help="skip the warm-up (a quick check only)")
     return parser
@@ -437,9 +448,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for stage in stages:
         needed += wanted.get(stage, ["static:5"] if stage in ("accept", "resume") else [])
     args.server_labels = _list(args.servers) or servers_needed(needed)
+    if "resume" in stages:
+        args.server_labels += [s for s in args.resume_servers if s not in args.server_labels]
     unknown = [s for s in args.server_labels if s not in offswitch.KINDS]
     if unknown:
         parser.error(f"unknown servers {unknown}; choose from {sorted(offswitch.KINDS)}")
+    not_hooks = [s for s in args.resume_servers if s in offswitch.KINDS and not offswitch.KINDS[s].hook]
+    if not_hooks:
+        parser.error(f"--resume-servers {not_hooks}: not hook servers (no controller can drive them)")
     args.stage_list = stages
     return args
 
