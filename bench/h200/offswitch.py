@@ -14,7 +14,7 @@ Servers (``--servers``):
              ``sglang_hook/off_switch.py``), the drafter's extend kept.
   off-skip   the same, the drafter's extend skipped at depth 0 (``--spec-off-draft skip``).
   off-kv     the same, the drafter's keys and values only (``--spec-off-draft kv``); its first
-             300 depth-0 steps (the warm-up) also run SGLang's whole extend and log how far
+             60 depth-0 steps (in the warm-up) also run SGLang's whole extend and log how far
              the two writes are apart (``SPECDEPTH_OFF_DRAFT_CHECK``).
   legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
 
@@ -91,7 +91,7 @@ KINDS = {
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "off-kv": Kind(
         "static:0-kv", True, ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
-        env=(("SPECDEPTH_OFF_DRAFT_CHECK", "300"),),
+        env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"),),
     ),  # fmt: skip
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
     # SGLang's rule as users run it: --speculative-adaptive alone (its default tiers, depths 1/3/7
