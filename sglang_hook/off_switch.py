@@ -494,7 +494,11 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
         or getattr(worker, KV_BROKEN_MARK, False)
     ):
         return original(worker, batch, batch_result, *args, **kwargs)
-    why = kv_only_unsupported(worker.draft_runner.model, worker.draft_runner.token_to_kv_pool)
+    try:
+        why = kv_only_unsupported(worker.draft_runner.model, worker.draft_runner.token_to_kv_pool)
+    except Exception as exc:  # SGLang's worker changed shape: never raise into the scheduler
+        COUNTERS.errors += 1
+        why = f"{type(exc).__name__}: {exc}"
     if why:
         COUNTERS.kv_fallbacks += 1
         setattr(worker, KV_BROKEN_MARK, True)

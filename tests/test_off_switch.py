@@ -560,3 +560,10 @@ def test_the_kv_check_compares_with_sglangs_whole_extend(eagle3: Any, monkeypatc
     assert (c.kv_steps, c.kv_checked, c.kv_identical) == (3, 2, 0)
     assert c.kv_max_dk == pytest.approx(0.5) and c.kv_max_dv == 0.0
     assert len(worker.cuda_graph_runner_for_draft_extend.ran) == 2  # the third step is not checked
+
+
+def test_a_draft_worker_of_another_shape_runs_sglangs_extend() -> None:
+    worker = SimpleNamespace(speculative_num_steps=0, cuda_graph_runner_for_draft_extend=ExtendGraph())
+    log: list[Any] = []
+    assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
+    assert getattr(worker, off_switch.KV_BROKEN_MARK)
