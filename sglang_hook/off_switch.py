@@ -403,11 +403,8 @@ class DraftKVOnly:
         return True
 
     def execute(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        import torch
-        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-
-        runner = self.worker.draft_runner
         try:
+            runner = self.worker.draft_runner
             draft_kv_only(
                 runner.model,
                 runner.token_to_kv_pool,
@@ -416,6 +413,7 @@ class DraftKVOnly:
                 forward_batch.spec_info.hidden_states,
                 forward_batch.out_cache_loc,
             )
+            out = self._zero_output(forward_batch)
         except Exception:
             COUNTERS.errors += 1
             COUNTERS.kv_fallbacks += 1
@@ -430,10 +428,16 @@ class DraftKVOnly:
                 COUNTERS.errors += 1
                 _CHECK.steps = 0
                 _log_once("kv-check", logging.ERROR, "spec controller: kv check failed; no more checks", exc=True)
+        return out
+
+    def _zero_output(self, forward_batch: Any) -> Any:
+        """What SGLang's extend returns, zeroed, as its own skip stub makes it: one row per
+        request (one token each at depth 0), the drafter's vocabulary and recurrent state."""
+        import torch
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
         from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
 
-        # The shapes SGLang's extend returns, as its own skip stub makes them: one row per
-        # request (one token each at depth 0), the drafter's vocabulary and recurrent state.
+        runner = self.worker.draft_runner
         bs = int(forward_batch.batch_size)
         config = runner.model_config
         vocab = int(getattr(config.hf_config, "draft_vocab_size", None) or config.vocab_size)
