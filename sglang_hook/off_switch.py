@@ -349,6 +349,17 @@ def kv_only_unsupported(model: Any, pool: Any) -> str:
     return ""
 
 
+def _cat(parts: list[Any]) -> Any:
+    """``torch.cat(parts, dim=-1)`` through tensor methods: the same values, copied once."""
+    width = sum(int(t.shape[-1]) for t in parts)
+    out = parts[0].new_empty((*parts[0].shape[:-1], width))
+    at = 0
+    for t in parts:
+        out[..., at : at + t.shape[-1]] = t
+        at += t.shape[-1]
+    return out
+
+
 def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden: Any, out_cache_loc: Any) -> None:
     """Store an EAGLE-3 drafter's keys and values for one extend, and compute nothing else.
 
@@ -356,10 +367,9 @@ def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden:
     to the attention, through the drafter's own modules: the token embedding; the target's
     auxiliary hidden states through the optional norms and ``fc``; both normed and joined; the
     attention's qkv projection and RoPE (``forward_prepare_native``, which SGLang's own layer
-    calls); then the write SGLang's attention backends make before attending.
+    calls); then the write SGLang's attention backends make before attending. Tensor methods
+    only: the hook never imports torch itself (:func:`_cat` is ``torch.cat``).
     """
-    import torch
-
     inner = model.model
     layer = inner.layers[0]
     embeds = inner.embed_tokens(input_ids)
@@ -368,9 +378,9 @@ def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden:
             hidden = inner.input_norm(hidden)
         if getattr(inner, "fc_norm", None) is not None:
             chunks = hidden.chunk(inner.num_aux_hidden_states, dim=-1)
-            hidden = torch.cat([norm(chunk) for norm, chunk in zip(inner.fc_norm, chunks)], dim=-1)
+            hidden = _cat([norm(chunk) for norm, chunk in zip(inner.fc_norm, chunks)])
         hidden = inner.fc(hidden)
-    joined = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+    joined = _cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)])
     attn = layer.self_attn
     _, k, v = attn.forward_prepare_native(positions, joined)
     radix = attn.attn
@@ -433,7 +443,6 @@ class DraftKVOnly:
     def _zero_output(self, forward_batch: Any) -> Any:
         """What SGLang's extend returns, zeroed, as its own skip stub makes it: one row per
         request (one token each at depth 0), the drafter's vocabulary and recurrent state."""
-        import torch
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
         from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
 
@@ -442,18 +451,16 @@ class DraftKVOnly:
         config = runner.model_config
         vocab = int(getattr(config.hf_config, "draft_vocab_size", None) or config.vocab_size)
         width, dtype = get_draft_recurrent_hidden_state_spec(runner)
-        device = forward_batch.input_ids.device
+        like = forward_batch.spec_info.hidden_states  # on the step's device
         return LogitsProcessorOutput(
-            next_token_logits=torch.zeros((bs, vocab), dtype=torch.float32, device=device),
-            hidden_states=None if width is None else torch.zeros((bs, width), dtype=dtype, device=device),
+            next_token_logits=like.new_zeros((bs, vocab)).float(),
+            hidden_states=None if width is None else like.new_zeros((bs, width), dtype=dtype),
         )
 
     def _check(self, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
         """SGLang's whole extend over the slots the KV-only update just wrote: how far apart?
 
         Synchronises with the GPU; a benchmark turns it on for its warm-up only."""
-        import torch
-
         runner = self.worker.draft_runner
         radix = runner.model.model.layers[0].self_attn.attn
         k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(radix.layer_id)
@@ -463,7 +470,7 @@ class DraftKVOnly:
         theirs_k, theirs_v = k_buf[loc].float(), v_buf[loc].float()
         c = COUNTERS
         c.kv_checked += 1
-        c.kv_identical += int(torch.equal(ours_k, theirs_k) and torch.equal(ours_v, theirs_v))
+        c.kv_identical += int(bool(ours_k.equal(theirs_k)) and bool(ours_v.equal(theirs_v)))
         c.kv_max_dk = max(c.kv_max_dk, float((ours_k - theirs_k).abs().max()))
         c.kv_max_dv = max(c.kv_max_dv, float((ours_v - theirs_v).abs().max()))
         if c.kv_checked in (1, 10, 100) or c.kv_checked == self.check_steps:
