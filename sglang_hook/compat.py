@@ -171,6 +171,35 @@ CONTRACT: tuple[Target, ...] = (
     ),
     Target("sglang.srt.speculative.spec_utils.resolve_num_tokens_per_req", why="called with phase= by keyword"),
     Target("sglang.srt.runtime_context.get_spec", (), why="the depth being captured"),
+    # The off switch's ``kv`` mode: the drafter's keys and values only at depth 0.
+    Target(
+        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
+        ("self", "batch", "batch_result"),
+        why="off switch kv: wrapped, its extend graph runner swapped at depth 0",
+    ),
+    Target(
+        "sglang.srt.speculative.eagle_worker_common.prepare_for_draft_extend",
+        ("draft_extend_input", "batch", "predict", "num_draft_tokens", "draft_model_runner", "cuda_graph_runner"),
+        why="off switch kv: asks the swapped runner can_run_graph, so plans no attention",
+    ),
+    Target(
+        "sglang.srt.models.llama.LlamaAttention.forward_prepare_native",
+        ("self", "positions", "hidden_states"),
+        why="off switch kv: the drafter layer's qkv projection and RoPE",
+    ),
+    Target("sglang.srt.models.llama_eagle3.LlamaModel.forward", ("self", "input_ids", "positions", "forward_batch"),
+           why="off switch kv: draft_kv_only repeats its steps up to the attention"),  # fmt: skip
+    Target(
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer",
+        ("self", "layer", "loc_info", "cache_k", "cache_v"),
+        why="off switch kv: the write the attention backends make",
+    ),
+    Target("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.get_kv_buffer", ("self", "layer_id"), why="kv check"),
+    Target("sglang.srt.speculative.eagle_utils.get_draft_recurrent_hidden_state_spec", ("model_runner",)),
+    Target("sglang.srt.layers.logits_processor.LogitsProcessorOutput.next_token_logits", kind="field"),
+    Target("sglang.srt.layers.logits_processor.LogitsProcessorOutput.hidden_states", kind="field"),
+    Target("sglang.srt.model_executor.forward_batch_info.ForwardBatch.out_cache_loc", kind="field"),
+    Target("sglang.srt.model_executor.forward_batch_info.ForwardBatch.positions", kind="field"),
 )
 
 

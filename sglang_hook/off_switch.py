@@ -25,12 +25,12 @@ depth but the starting one (:func:`draft_extend_width_hook`).
 
 What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT``:
 
-- ``keep`` (default): the drafter's one-token extend runs every step (SGLang's own, with its
+- ``keep``: the drafter's one-token extend runs every step (SGLang's own, with its
   own CUDA graph), so its KV cache and next proposal stay current and turning drafting back on
   loses nothing (the failure to rule out is a drafter left stale while off: TensorRT-LLM
   #16888). Its cost is the drafter's whole layer and LM head per step: about 6% of an 8B
   target's weight reads, 3-13% of a plain server's throughput measured on the H200.
-- ``kv``: only the drafter's keys and values for the new position are computed and stored
+- ``kv`` (default): only the drafter's keys and values for the new position are computed and stored
   (:class:`DraftKVOnly`): embedding, fc, the two norms, the qkv projection and RoPE; no
   attention, MLP or LM head. An EAGLE-3 layer's keys and values at a position depend only on
   that position's token and the target's hidden states, never on the drafter's earlier
@@ -67,7 +67,7 @@ from typing import Any
 logger = logging.getLogger("sglang_hook")
 
 ENV_OFF_PATH = "SPECDEPTH_OFF_PATH"  # "plain" (default) or "sglang": SGLang's own depth 0
-ENV_OFF_DRAFT = "SPECDEPTH_OFF_DRAFT"  # "keep" (default), "kv" or "skip"
+ENV_OFF_DRAFT = "SPECDEPTH_OFF_DRAFT"  # "kv" (default), "keep" or "skip"
 OFF_DRAFTS = ("keep", "kv", "skip")
 SGLANG_SKIP_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
 # A diagnostic for the GPU benchmarks: under ``kv``, the first N depth-0 steps of each scheduler
@@ -125,7 +125,7 @@ class OffConfig:
     """
 
     plain: bool = True
-    draft: str = "keep"
+    draft: str = "kv"
 
     def __post_init__(self) -> None:
         if self.draft not in OFF_DRAFTS:
@@ -138,7 +138,7 @@ class OffConfig:
         path = env.get(ENV_OFF_PATH, "plain")
         if path not in ("plain", "sglang"):
             raise ValueError(f"{ENV_OFF_PATH}={path!r}: expected plain or sglang")
-        return cls(plain=path == "plain", draft=env.get(ENV_OFF_DRAFT, "keep"))
+        return cls(plain=path == "plain", draft=env.get(ENV_OFF_DRAFT, "kv"))
 
     def to_env(self) -> dict[str, str]:
         """The variables :meth:`from_env` reads back (the launcher hands them to the schedulers)."""

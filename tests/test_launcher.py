@@ -88,11 +88,11 @@ def test_off_switch_flags_reach_the_schedulers_environment(tmp_path) -> None:
     from sglang_hook.off_switch import OffConfig
 
     base = ["--spec-controller", "ipc:///tmp/x.sock", "--model-path", "/m"]
-    assert plan(base, str(tmp_path / "a.json")).off == OffConfig(plain=True, draft="keep")
+    assert plan(base, str(tmp_path / "a.json")).off == OffConfig(plain=True, draft="kv")
     p = plan([*base, "--spec-off-path", "sglang", "--spec-off-draft=skip"], str(tmp_path / "b.json"))
     assert p.off == OffConfig(plain=False, draft="skip")
     assert OffConfig.from_env(p.off.to_env()) == p.off
-    assert plan([*base, "--spec-off-draft", "kv"], str(tmp_path / "d.json")).off.draft == "kv"
+    assert plan([*base, "--spec-off-draft", "keep"], str(tmp_path / "d.json")).off.draft == "keep"
     for bad in (["--spec-off-path", "fast"], ["--spec-off-draft", "maybe"]):
         try:
             plan([*base, *bad], str(tmp_path / "c.json"))

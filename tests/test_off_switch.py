@@ -27,11 +27,11 @@ pytestmark = pytest.mark.sglang
 
 
 def test_config_from_env() -> None:
-    assert off_switch.OffConfig.from_env({}) == off_switch.OffConfig(plain=True, draft="keep")
+    assert off_switch.OffConfig.from_env({}) == off_switch.OffConfig(plain=True, draft="kv")
     cfg = off_switch.OffConfig.from_env({off_switch.ENV_OFF_PATH: "sglang", off_switch.ENV_OFF_DRAFT: "skip"})
     assert cfg == off_switch.OffConfig(plain=False, draft="skip")
     assert off_switch.OffConfig.from_env(cfg.to_env()) == cfg
-    assert off_switch.OffConfig.from_env({off_switch.ENV_OFF_DRAFT: "kv"}).draft == "kv"
+    assert off_switch.OffConfig.from_env({off_switch.ENV_OFF_DRAFT: "keep"}).draft == "keep"
     with pytest.raises(ValueError, match="plain or sglang"):
         off_switch.OffConfig.from_env({off_switch.ENV_OFF_PATH: "fast"})
     with pytest.raises(ValueError, match="keep, kv or skip"):
@@ -286,6 +286,10 @@ def test_plugin_installs_the_off_switch_by_default(monkeypatch: pytest.MonkeyPat
         extend = HookRegistry._hooks.get(off_switch.DRAFT_EXTEND, [])
         assert any(h is off_switch.draft_extend_hook for _, h, _ in extend)
         assert off_switch.SGLANG_SKIP_ENV not in os.environ
+        HookRegistry._hooks.clear()
+        monkeypatch.setenv(off_switch.ENV_OFF_DRAFT, "keep")  # SGLang's whole extend: nothing to swap
+        plugin.register()
+        assert not HookRegistry._hooks.get(off_switch.DRAFT_EXTEND)
     finally:
         HookRegistry._hooks.clear()
         HookRegistry._hooks.update(saved)

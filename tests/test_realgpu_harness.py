@@ -166,10 +166,10 @@ def test_parse_starts_only_the_servers_the_stages_need() -> None:
     args = realgpu.parse(["--stages", "closed", "--policies", "plain,sglang-adaptive-tuned"])
     assert args.server_labels == ["plain", "sglang-tuned"]
     # The off-switch variants: their depth 0 is a server of its own; resume drives each hook server.
-    args = realgpu.parse(["--stages", "closed,resume", "--policies", "plain,static:0,static:0-kv",
-                          "--resume-servers", "off,off-kv"])  # fmt: skip
-    assert args.server_labels == ["plain", "off", "off-kv"]
-    assert realgpu.SERVER_POLICIES["static:0-kv"] == "off-kv" and "static:0" not in realgpu.SERVER_POLICIES
+    args = realgpu.parse(["--stages", "closed,resume", "--policies", "plain,static:0,static:0-keep",
+                          "--resume-servers", "off,off-keep"])  # fmt: skip
+    assert args.server_labels == ["plain", "off", "off-keep"]
+    assert realgpu.SERVER_POLICIES["static:0-keep"] == "off-keep" and "static:0" not in realgpu.SERVER_POLICIES
     with pytest.raises(SystemExit):
         realgpu.parse(["--stages", "resume", "--resume-servers", "plain"])  # no controller drives it
     # The bundled PPO zip was trained for these depths; the hook server must offer exactly them.

@@ -11,11 +11,12 @@ Servers (``--servers``):
              ratios and of greedy identity between two identical servers.
   off        EAGLE-3 through ``sglang_hook.launch_server``, held at depth 0 by the hook's fixed
              fallback (no controller process), depth 0 as a plain decode (the off switch,
-             ``sglang_hook/off_switch.py``), the drafter's extend kept.
+             ``sglang_hook/off_switch.py``) with its default drafter mode, keys and values
+             only (``--spec-off-draft kv``); its first 60 depth-0 steps (in the warm-up) also
+             run SGLang's whole extend and log how far the two writes are apart
+             (``SPECDEPTH_OFF_DRAFT_CHECK``).
+  off-keep   the same, the drafter's whole extend kept at depth 0 (``--spec-off-draft keep``).
   off-skip   the same, the drafter's extend skipped at depth 0 (``--spec-off-draft skip``).
-  off-kv     the same, the drafter's keys and values only (``--spec-off-draft kv``); its first
-             60 depth-0 steps (in the warm-up) also run SGLang's whole extend and log how far
-             the two writes are apart (``SPECDEPTH_OFF_DRAFT_CHECK``).
   legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
 
 Every request is greedy with random token-id prompts; requests with the same (repetition,
@@ -24,7 +25,7 @@ The default target (``--target-out-std 0.02``) makes each token depend on the wh
 identical outputs check every kernel on the path, attention included.
 
 Writes (under ``--out``): ``summary.csv`` (``workload,concurrency,policy,rep,tok_s,tpot_ms_mean,
-tpot_ms_p99,failed``: the policy is ``plain``, ``static:0``, ``static:0-skip``,
+tpot_ms_p99,failed``: the policy is ``plain``, ``static:0``, ``static:0-keep``, ``static:0-skip``,
 ``static:0-sglang``), ``offswitch.json`` (per point, identity against plain, server facts) and
 ``res.tar.gz`` (logs), re-written after every point so a call cut short keeps what it measured.
 
@@ -87,12 +88,14 @@ class Kind:
 KINDS = {
     "plain": Kind("plain", False),
     "plain2": Kind("plain-control", False),  # a second plain server: the noise floor of every ratio
-    "off": Kind("static:0", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
-    "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
-    "off-kv": Kind(
-        "static:0-kv", True, ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
+    "off": Kind(
+        "static:0",
+        True,
+        ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
         env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"),),
-    ),  # fmt: skip
+    ),
+    "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
+    "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
     # SGLang's rule as users run it: --speculative-adaptive alone (its default tiers, depths 1/3/7
     # and 0 from batch 64), and with the launcher's tiers (every depth at every batch size).

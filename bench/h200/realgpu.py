@@ -34,7 +34,7 @@ Stages (``--stages``, in this order):
            ``--open-policies`` and repetition; ``concurrency`` is 0 in ``summary.csv``.
   resume   acceptance around a resume (scripted controller): depth 3 for 100 steps, 0 for
            200, then 3, against the same requests held at depth 3; on each server of
-           ``--resume-servers`` (hook servers: ``off``, and ``off-kv`` / ``off-skip`` to compare
+           ``--resume-servers`` (hook servers: ``off``, and ``off-keep`` / ``off-skip`` to compare
            what the drafter does while off), ``--resume-conc`` requests of 1024 tokens.
 
 Method: before the stages every depth of ``--depths`` runs at every C (and a long prompt once)
@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-total-tokens", type=int, default=139264,
                         help="KV cap per server: 16 long requests (8192 + 128) fit; 4 servers fit an H200")  # fmt: skip
     parser.add_argument("--resume-servers", type=_list, default=[HOOK],
-                        help="resume stage: the hook servers to run it on (off, off-kv, off-skip)")  # fmt: skip
+                        help="resume stage: the hook servers to run it on (off, off-keep, off-skip)")  # fmt: skip
     parser.add_argument("--resume-conc", type=int, default=64, help="resume stage: concurrent requests")
     parser.add_argument("--no-prefill-graph", action="store_true", default=True)
     parser.add_argument("--no-warm", action="store_true", help="skip the warm-up (a quick check only)")
