@@ -32,7 +32,9 @@ Options after ``@`` (comma-separated ``key=value``):
 option                         meaning
 =============================  ================================================================
 ``prompt=N`` / ``output=N``    fix the lengths (tokens) instead of drawing them from the
-                               deployment's distributions; ``prompt=LO-HI``: log-uniform
+                               deployment's distributions; ``prompt=LO-HI``: log-uniform;
+                               ``output=N~S``: log-normal, median N, sigma S (within the
+                               deployment's output bounds; ``bench/h200/loadgen.py`` draws so)
 ``accept_shift=X``             add X logits to every request's acceptance
 ``n=N``                        stop arrivals after N requests (the episode then ends when they
                                complete)
@@ -118,6 +120,7 @@ class WorkloadSpec:
     odd_long_range: tuple[int, int] = (4096, 16384)
     task_mix: tuple[tuple[str, float], ...] = ()
     odd_shift: float | None = None
+    output_sigma: float | None = None
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -173,6 +176,11 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
                     kw["task_mix"] = _task_mix(val)
                 elif key == "odd_shift":
                     kw["odd_shift"] = float(val)
+                elif key == "output" and "~" in val:
+                    median, _, sigma = val.partition("~")
+                    kw["output_tokens"], kw["output_sigma"] = int(median), float(sigma)
+                    if kw["output_tokens"] <= 0 or not kw["output_sigma"] >= 0:
+                        raise ValueError
                 elif key in ("prompt", "output", "n"):
                     num = int(val)
                     if num <= 0:
@@ -188,7 +196,7 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
             except ValueError:
                 raise ConfigError(
                     f"workload {spec!r}: option {item!r} needs a positive number (a range LO-HI, "
-                    "a fraction F:LO-HI, or TASK:F+TASK:F)"
+                    "a log-normal N~S, a fraction F:LO-HI, or TASK:F+TASK:F)"
                 ) from None
     kind, _, rest = base.partition(":")
     if kind == "preset":
@@ -287,10 +295,12 @@ class Arrivals:
         else:
             draw = wp.prompt_median_tokens * math.exp(wp.prompt_sigma * self.rng.standard_normal())
             prompt = int(min(max(draw, wp.prompt_min_tokens), wp.prompt_max_tokens))
-        if s.output_tokens is not None:
+        if s.output_tokens is not None and s.output_sigma is None:
             out = s.output_tokens
         else:
-            draw = wp.output_median_tokens * math.exp(wp.output_sigma * self.rng.standard_normal())
+            median = wp.output_median_tokens if s.output_tokens is None else s.output_tokens
+            sigma = wp.output_sigma if s.output_sigma is None else s.output_sigma
+            draw = median * math.exp(sigma * self.rng.standard_normal())
             out = int(min(max(draw, wp.output_min_tokens), wp.output_max_tokens))
         return prompt, out
 

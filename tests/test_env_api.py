@@ -206,7 +206,7 @@ def test_seed_deployment_reproduces_the_published_figures():
 @pytest.mark.parametrize(
     "spec",
     ["closed:4", "poisson:2.5", "burst:1,20,10", "burst:1,20,10,0.5", "ramp:1,50,30", "phase:20:closed:8",
-     "closed:1@prompt=64,output=9,accept_shift=1.5,n=3"],
+     "closed:1@prompt=64,output=9,accept_shift=1.5,n=3", "closed:2@output=64~0.7,n=4"],
 )  # fmt: skip
 def test_workload_specs_parse_and_run(spec):
     w = parse_workload(spec)
@@ -217,7 +217,8 @@ def test_workload_specs_parse_and_run(spec):
 
 @pytest.mark.parametrize(
     "spec", ["closed:0", "closed:2.5", "poisson", "poisson:-1", "burst:1,2", "ramp:1,2,0", "zipf:3", "closed:2@foo=1",
-             "closed:2@prompt=-3", "phase:x:closed:2", "preset:none", "replay:"],
+             "closed:2@prompt=-3", "phase:x:closed:2", "preset:none", "replay:", "closed:2@output=64~-1",
+             "closed:2@output=0~0.5", "closed:2@output=64~x"],
 )  # fmt: skip
 def test_bad_workload_specs(spec):
     with pytest.raises(ConfigError):

@@ -392,3 +392,34 @@ def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys
     assert abs(float(rows[(" static:3 ", " 4 ")][0]) / 643.85 - 1) < 0.15
     assert "2 points: mean absolute error" in out
     assert realgpu_sim.main(["--sim", str(tmp_path / "none.json"), str(path)]) == 2
+
+
+def test_drawn_output_lengths_are_the_simulators_distribution() -> None:
+    """``loadgen`` (stdlib, on the device) and ``env.workload`` (``output=N~S``) draw output
+    lengths from one distribution: log-normal around N, within the same bounds. Fixed lengths
+    stay fixed, and a benchmark's draws are the same for every policy at a seed."""
+    import numpy as np
+    from loadgen import OUTPUT_BOUNDS, LoadSpec, output_lengths
+
+    from env.workload import Arrivals, WorkloadParams, parse_workload
+
+    wp = WorkloadParams()
+    assert OUTPUT_BOUNDS == (wp.output_min_tokens, wp.output_max_tokens)
+    spec = LoadSpec(8, 4000, 256, 128, seed=3, output_sigma=0.7)
+    ours = np.array(output_lengths(spec))
+    assert output_lengths(spec) == list(ours) and output_lengths(LoadSpec(8, 5, 256, 128)) == [128] * 5
+    arr = Arrivals(parse_workload("closed:1@output=128~0.7"), wp, 0.0, np.random.default_rng(0))
+    sims = np.array([arr._lengths()[1] for _ in range(4000)])
+    for q in (0.1, 0.25, 0.5, 0.75, 0.9):
+        a, b = np.quantile(ours, q), np.quantile(sims, q)
+        assert abs(a / b - 1) < 0.08, (q, a, b)
+    assert 120 <= np.median(ours) <= 136 and ours.min() >= 8 and ours.max() <= 2048
+
+
+def test_the_simulator_replays_drawn_output_lengths() -> None:
+    import realgpu_sim
+
+    assert realgpu_sim.sim_workload("closed-mix-256-128", 16) == "closed:16@prompt=256,output=128,n=32"
+    assert realgpu_sim.sim_workload("closed-mix-256-128~0.7", 1) == "closed:1@prompt=256,output=128~0.7,n=4"
+    args = realgpu.parse(["--stages", "closed", "--output-sigma", "0.7", "--policies", "plain"])
+    assert args.output_sigma == 0.7

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -34,6 +35,9 @@ class LoadSpec:
     output_tokens: int = 128
     seed: int = 0
     mix: str = ""  # testbed families, comma-separated, drawn per request ("": any token, as before)
+    # > 0: each request's output length log-normal around output_tokens (the simulator's
+    # ``output=N~S``: median N, sigma S, within 8..2048 tokens); 0: every request N tokens.
+    output_sigma: float = 0.0
 
 
 @dataclass
@@ -59,6 +63,24 @@ def prompts(spec: LoadSpec) -> list[list[int]]:
     """
     rng = random.Random(spec.seed)
     return [testbed.prompt(rng, fam, spec.input_tokens) for fam in families(spec)]
+
+
+OUTPUT_BOUNDS = (8, 2048)  # env.workload.WorkloadParams' output_min_tokens, output_max_tokens
+
+
+def output_lengths(spec: LoadSpec) -> list[int]:
+    """Each request's output length: ``output_tokens``, or with ``output_sigma`` a draw
+    ``median·exp(sigma·N(0, 1))`` within :data:`OUTPUT_BOUNDS`, as ``env.workload`` draws for
+    ``output=N~S`` (stdlib here: this runs before the carried packages are unpacked; a test
+    checks the two draw one distribution). The same for every policy at a given seed."""
+    if spec.output_sigma <= 0:
+        return [spec.output_tokens] * spec.n_requests
+    rng = random.Random(spec.seed + 104_729)
+    lo, hi = OUTPUT_BOUNDS
+    return [
+        int(min(max(spec.output_tokens * math.exp(spec.output_sigma * rng.gauss(0.0, 1.0)), lo), hi))
+        for _ in range(spec.n_requests)
+    ]
 
 
 def families(spec: LoadSpec) -> list[str]:
@@ -122,6 +144,7 @@ async def _one(session: Any, url: str, idx: int, ids: list[int], out_tokens: int
 async def _run(url: str, spec: LoadSpec, timeout_s: float) -> tuple[list[RequestResult], float]:
     import aiohttp
 
+    lengths = output_lengths(spec)
     work = list(enumerate(prompts(spec)))
     results: list[RequestResult] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -131,7 +154,7 @@ async def _run(url: str, spec: LoadSpec, timeout_s: float) -> tuple[list[Request
         async def worker() -> None:
             while work:
                 idx, ids = work.pop(0)
-                results.append(await _one(session, url, idx, ids, spec.output_tokens))
+                results.append(await _one(session, url, idx, ids, lengths[idx]))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(spec.concurrency)))

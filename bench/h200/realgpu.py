@@ -260,12 +260,13 @@ def stage_accept(bench: Bench, args: argparse.Namespace) -> None:
 
 def stage_loop(bench: Bench, args: argparse.Namespace, stage: str) -> None:
     """``closed`` or ``long``: per repetition, each policy in a rotating order, all its C."""
+    out = f"{args.output_tokens}~{args.output_sigma:g}" if args.output_sigma > 0 else f"{args.output_tokens}"
     if stage == "closed":
         policies, conc, n_in = args.policies, args.conc, args.input_tokens
-        workload = f"closed-mix-{args.input_tokens}-{args.output_tokens}"
+        workload = f"closed-mix-{args.input_tokens}-{out}"
     else:
         policies, conc, n_in = args.long_policies, args.long_conc, args.long_input
-        workload = f"long-mix-{args.long_input}-{args.output_tokens}"
+        workload = f"long-mix-{args.long_input}-{out}"
     need_s = 0.0 if stage == "closed" else 60.0  # a long point at C=64 lasts up to about a minute
     for rep in range(args.first_rep, args.first_rep + args.reps):
         for policy in rotate(list(policies), rep):
@@ -282,7 +283,7 @@ def stage_loop(bench: Bench, args: argparse.Namespace, stage: str) -> None:
                     continue
                 n = max(4, args.requests_per_conc * c) if stage == "closed" else c
                 spec = LoadSpec(c, n, n_in, args.output_tokens, seed=1000 * rep + c + (0 if stage == "closed" else 500),
-                                mix=args.mix)  # fmt: skip
+                                mix=args.mix, output_sigma=args.output_sigma)  # fmt: skip
                 bench.measure(server, policy, spec, rep, workload)
 
 
@@ -405,7 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--requests-per-conc", type=int, default=2, help="closed: requests per point = this x C (min 4)"
     )
     parser.add_argument("--input-tokens", type=int, default=256)
-    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128,
+                        help="closed and long: output tokens per request (the median with --output-sigma)")  # fmt: skip
+    parser.add_argument("--output-sigma", type=float, default=0.0,
+                        help="closed and long: > 0 draws each request's output length log-normally "
+                        "(the workload name gets ~SIGMA); 0 fixes it, and requests finish in waves")  # fmt: skip
     parser.add_argument("--long-input", type=int, default=8192, help="long stage: prompt tokens")
     parser.add_argument("--long-conc", type=_ints, default=[16, 64])
     parser.add_argument(

@@ -5,7 +5,8 @@ Run: ``python bench/h200/realgpu_sim.py --sim FIT/sim.json CALL.csv [CALL.csv ..
 ``summary.csv``, one per call).
 
 For every closed point (policy, C) of the CSVs except ``plain``, the same benchmark in the
-simulator: closed loop at C, 256-token prompts, 128 output tokens, max(4, 2C) requests (what
+simulator: closed loop at C with the point's prompt and output lengths (fixed, or drawn
+log-normally for a ``N~SIGMA`` workload, policies labelled ``[N~SIGMA]``), max(4, 2C) requests (what
 ``realgpu.py`` sends), the policy deciding one step late, throughput = output tokens / wall
 time of the whole run, mean over ``--seeds``. The benchmark sends every point's prompts once
 before timing it, so SGLang's radix cache holds them: ``--prefix-hit`` (default 0.99, what the
@@ -32,17 +33,24 @@ import realgpu_report  # noqa: E402  the calls' summary.csv,
 from realgpu import DEPTHS  # noqa: E402  the hook server's depths)
 
 
-def measured(paths: list[Path]) -> dict[tuple[str, int], list[float]]:
-    """(policy, C) → tok/s of each repetition, closed points only."""
-    out: dict[tuple[str, int], list[float]] = defaultdict(list)
+def measured(paths: list[Path]) -> dict[tuple[str, str, int], list[float]]:
+    """(workload, policy, C) → tok/s of each repetition, closed points only."""
+    out: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     for row in realgpu_report.read_rows(paths):
         if row["workload"].startswith("closed") and row["policy"] != "plain":
-            out[(row["policy"], row["concurrency"])].append(row["tok_s"])
+            out[(row["workload"], row["policy"], row["concurrency"])].append(row["tok_s"])
     return dict(out)
 
 
+def sim_workload(workload: str, c: int) -> str:
+    """The simulator's spec for a closed point of ``realgpu.py``: ``closed-mix-IN-OUT`` (OUT
+    ``N`` or ``N~SIGMA``, drawn output lengths) at C, max(4, 2C) requests."""
+    prompt, out = workload.split("-")[-2:]
+    return f"closed:{c}@prompt={prompt},output={out},n={max(4, 2 * c)}"
+
+
 def replay(
-    params: Any, points: dict[tuple[str, int], list[float]], seeds: int
+    params: Any, points: dict[tuple[str, str, int], list[float]], seeds: int
 ) -> list[tuple[str, int, list[float], float | None]]:
     """Each point's benchmark in the simulator: (policy, C, measured tok/s per repetition,
     simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule)."""
@@ -51,17 +59,18 @@ def replay(
     from env.runner import simulate
 
     out: list[tuple[str, int, list[float], float | None]] = []
-    for (policy, c), reps in sorted(points.items()):
+    for (workload, policy, c), reps in sorted(points.items()):
         spec = policyswap.resolve(policy).spec
+        label = f"{policy} [{workload.split('-')[-1]}]" if "~" in workload else policy
         try:
             factory = make_factory(spec, DEPTHS)
         except PolicyLoadError:
-            out.append((policy, c, reps, None))
+            out.append((label, c, reps, None))
             continue
         sims = [
             simulate(
                 params,
-                f"closed:{c}@prompt=256,output=128,n={max(4, 2 * c)}",
+                sim_workload(workload, c),
                 factory(DEPTHS),
                 depths=DEPTHS,
                 seed=seed,
@@ -69,7 +78,7 @@ def replay(
             ).throughput_tok_s
             for seed in range(seeds)
         ]
-        out.append((policy, c, reps, float(np.mean(sims))))
+        out.append((label, c, reps, float(np.mean(sims))))
     return out
 
 
