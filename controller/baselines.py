@@ -363,15 +363,24 @@ class GoodputPolicy:
                 return 1 + int(np.argmax(rates[1:]))
             return best
         # Measured-table mode: the observation's goodput_k is log(tokens/s at k ÷ at depth 0)
-        # from the measured latency of the nearest bucket with data.
+        # from this bucket's measured latencies, or the running ratio over buckets where one is
+        # missing. Steps that admitted requests do not measure a depth (Featurizer version 4).
         bucket = bs_bucket(step.bs)
-        if step.depth in self.depths:
+        if step.depth in self.depths and step.prefill_tokens == 0:
             self._seen[(bucket, self.depths.index(step.depth))] = self._t
         if self._t % self.probe_every == 0:
             stalest = min(range(len(self.depths)), key=lambda a: self._seen.get((bucket, a), -(10**9)))
             if self._t - self._seen.get((bucket, stalest), -(10**9)) > 5 * self.probe_every:
                 return stalest
-        return int(np.argmax(obs[self._gp_idx]))
+        best = int(np.argmax(obs[self._gp_idx]))
+        # Depth 0 is the reference of every ratio and the safe choice: in a bucket where it was
+        # never measured, measure it before drafting. Reading the running ratio instead, the
+        # served goodput entered batch 64-128 drafting on the H100 testbed (small batches'
+        # ratios flatter drafting there), never measured depth 0 and stayed at 0.46-0.49x a
+        # plain server (bench/results/realgpu/h100/README.md).
+        if best != 0 and (bucket, 0) not in self._seen:
+            return 0
+        return best
 
 
 def make_goodput(name: str, depths: tuple[int, ...]) -> Policy:
