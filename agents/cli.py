@@ -76,6 +76,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="postpone that probe by this many steps × the share of depth 0's goodput a probe step "
         "gives up on the fitted model (default 0: a fixed staleness; docs/results.md has a comparison)",
     )
+    t.add_argument(
+        "--off-draft",
+        choices=("kv", "keep", "skip"),
+        default=None,
+        help="with --traces: what the traced server's drafter did at depth 0 (its --spec-off-draft; "
+        "kv is the hook's default), so the fit reads its depth-0 steps right (default: keep)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train)
 

@@ -59,6 +59,8 @@ class TrainConfig:
         profiles: latency profile CSVs for the fit.
         deployment: bundled deployment name instead of traces.
         sim: a fitted sim.json instead of traces.
+        off_draft: with ``traces``, what the traced server's drafter did at depth 0 (its
+            ``--spec-off-draft``: kv, keep or skip); None: the base deployment's (keep).
         depths: allowed depths.
         seed: the one seed everything derives from.
         timesteps: PPO environment steps after the warm start.
@@ -121,6 +123,7 @@ class TrainConfig:
     profiles: tuple[Path, ...] = ()
     deployment: str | None = None
     sim: Path | None = None
+    off_draft: str | None = None
     depths: tuple[int, ...] = DEFAULT_DEPTHS
     seed: int = 0
     timesteps: int = 150_000
@@ -177,6 +180,7 @@ class TrainConfig:
             ("slo_credit", "slo_credit"),
             ("probe_staleness", "bc_probe_staleness"),
             ("probe_cost_steps", "bc_probe_cost_steps"),
+            ("off_draft", "off_draft"),
         ):
             value = getattr(args, flag, None)
             if value is not None:
@@ -191,6 +195,8 @@ class TrainConfig:
             raise ConfigError(f"--probe-cost-steps must be finite and ≥ 0, got {cfg.bc_probe_cost_steps}")
         if not 0.0 <= cfg.drafter_mix <= 1.0:
             raise ConfigError(f"--drafter-mix must be in [0, 1], got {cfg.drafter_mix}")
+        if cfg.off_draft is not None and cfg.traces is None:
+            raise ConfigError("--off-draft describes the traced server: it needs --traces")
         from controller.objective import parse_objective
 
         cfg = replace(cfg, objective=str(parse_objective(cfg.objective)))
@@ -242,7 +248,7 @@ def fitted_params(cfg: TrainConfig) -> tuple[Any, str]:
         from env.fit import fit_sim
     except ImportError as exc:
         raise ConfigError(f"fitting traces needs env.fit ({exc})") from None
-    params, report = fit_sim(str(cfg.traces), [str(p) for p in cfg.profiles])
+    params, report = fit_sim(str(cfg.traces), [str(p) for p in cfg.profiles], off_draft=cfg.off_draft)
     out_dir = cfg.out.parent if str(cfg.out.parent) else Path(".")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "fit_report.txt").write_text(f"{report}\n")

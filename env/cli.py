@@ -36,6 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="how the traced server ran depth 0: plain (the off switch) or verify (SGLang's own "
         "width-1 verify, servers without the off switch); default: as the base deployment (plain)",
     )
+    p.add_argument(
+        "--off-draft",
+        choices=("kv", "keep", "skip"),
+        help="what the traced server's drafter did at depth 0 (its --spec-off-draft; kv is the hook's "
+        "default since 2026-12-05); default: as the base deployment (keep)",
+    )
     p.set_defaults(func=_cmd_fit)
 
     b = subparsers.add_parser(
@@ -69,7 +75,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     if args.predictions and not args.holdout:
         raise ConfigError("--predictions needs --holdout")
-    params, report = fit_sim(args.traces, args.profile, off_path=args.off_path)
+    params, report = fit_sim(args.traces, args.profile, off_path=args.off_path, off_draft=args.off_draft)
     params.to_json(args.out)
     report_path = Path(args.out).with_suffix(".report.json")
     report_path.write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")

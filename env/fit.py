@@ -33,7 +33,15 @@ from controller.errors import TraceError
 from controller.protocol import Step
 from env.acceptance import AcceptanceParams, accept_length_pmf, calibrate_to_conditionals, fit_acceptance
 from env.errors import FitError
-from env.latency import KV_NAMES, LatencyParams, fit_profile, profile_mape, read_profile, step_times_us
+from env.latency import (
+    KV_NAMES,
+    OFF_EXTEND,
+    LatencyParams,
+    fit_profile,
+    profile_mape,
+    read_profile,
+    step_times_us,
+)
 from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
@@ -303,7 +311,11 @@ def _fit_engine(steps: list[Step], base: EngineParams, report: FitReport) -> Eng
 
 
 def fit_sim(
-    traces_dir: str | None, profiles: list[str], base: SimParams | None = None, off_path: str | None = None
+    traces_dir: str | None,
+    profiles: list[str],
+    base: SimParams | None = None,
+    off_path: str | None = None,
+    off_draft: str | None = None,
 ) -> tuple[SimParams, FitReport]:
     """Fit a simulator to a trace folder and/or latency-profile CSVs.
 
@@ -315,6 +327,9 @@ def fit_sim(
         off_path: how the traced server ran depth 0 (``"plain"``: the off switch;
             ``"verify"``: SGLang's own width-1 verify, whose extra cost the traces then fit);
             None keeps the base's.
+        off_draft: what the traced server's drafter did at depth 0 (``--spec-off-draft``: a
+            key of :data:`env.latency.OFF_EXTEND`), so its depth-0 steps are read as the target
+            plus that share of the drafter's extend; None keeps the base's (``keep``).
 
     Returns:
         The fitted :class:`SimParams` and a printable :class:`FitReport`.
@@ -337,6 +352,10 @@ def fit_sim(
             base = SimParams(acceptance=calibrate_to_conditionals([0.73, 0.71, 0.68]))
     report = FitReport(profiles=list(profiles), traces=traces_dir)
     lp = base.latency if off_path is None else replace(base.latency, off_path=off_path)
+    if off_draft is not None:
+        if off_draft not in OFF_EXTEND:
+            raise FitError(f"off_draft must be one of {', '.join(OFF_EXTEND)}, got {off_draft!r}")
+        lp = replace(lp, off_extend=OFF_EXTEND[off_draft])
 
     if profiles:
         frames = [read_profile(p) for p in profiles]

@@ -32,7 +32,7 @@ One engine step at depth ``k`` (SGLang EAGLE-3, chain drafts, ``topk = 1``)::
 
     k > 0:  oh + oh_req·B + oh_spec + Σ_{i=1..k} draft(B, 1, C) [first with fc]
             + target(B, k + 1, C) + ver·B + draft(B, k + 1, C) + ext·B [draft extend after verify]
-    k = 0, off_path "plain":   oh + oh_req·B + target(B, 1, C) + [off_extend]·(draft(B, 1, C) + ext·B)
+    k = 0, off_path "plain":   oh + oh_req·B + target(B, 1, C) + off_extend·(draft(B, 1, C) + ext·B)
     k = 0, off_path "verify":  oh + oh_req·B + oh_spec + target(B, 1, C) + ver·B + v0_fix + v0_seq·B
                                + draft(B, 1, C) + ext·B
     ver = verify_seq_us,  ext = verify_seq_us · d_layers / layers
@@ -46,8 +46,11 @@ constant in context, which the traces (one context length) cannot test. 0 (the p
 plain PyTorch passes, the seed deployment) leaves every step as before, bit for bit.
 
 ``off_path`` is how the deployment runs depth 0: ``"plain"`` is the off switch
-(``sglang_hook/off_switch.py``: the target's plain decode, the drafter's one-token extend kept
-when ``off_extend``; measured 0.87-0.97x a plain server kept, 0.95-1.00x skipped),
+(``sglang_hook/off_switch.py``: the target's plain decode), whose depth-0 step pays the share
+``off_extend`` of the drafter's one-token extend, one of :data:`OFF_EXTEND` by what the drafter
+does at depth 0 (``--spec-off-draft``): 1 ``keep`` (the whole extend; measured 0.87-0.97x a
+plain server on the H200), 0 ``skip`` (0.95-1.00x), and for ``kv`` (keys and values only, the
+default) the share its measured cost has of ``keep``'s, about 0.37 on the H100 (0.94-0.98x);
 ``"verify"`` is SGLang's own depth 0 (a width-1 verify through the extend-attention kernel,
 one real query row per 128-row tile, plus the draft extend: measured 0.72x a plain server at
 C = 1 and 0.40x at C = 64-128; ``v0_fix``/``v0_seq`` carry that kernel's extra cost).
@@ -84,6 +87,11 @@ KNOWN_COMPONENTS = (
     "draft_nofc",
 )
 OFF_PATHS = ("plain", "verify")
+# What a depth-0 step pays of the drafter's one-token extend, by ``--spec-off-draft``: kv's
+# share is its measured cost over keep's on the H100 (bench/results/realgpu/h100/offswitch-kv,
+# C = 1-16: kv cost 2.2-2.7% of a plain server's throughput more than skip in one call, keep
+# 4.0-4.5% more than kv in the other, so kv ≈ 2.5 / 6.8 of keep's; two calls, so about).
+OFF_EXTEND = {"keep": 1.0, "kv": 0.37, "skip": 0.0}
 # Weights of the profile fit's log residuals per component: whole passes (what steps are made
 # of) count fully; the GEMM-only and attention-only decompositions pin the terms apart.
 COMPONENT_WEIGHT = {
@@ -141,7 +149,7 @@ class LatencyParams:
     oh_spec_us: float = 200.0
     oh_req_us: float = 2.0
     off_path: str = "plain"
-    off_extend: bool = True
+    off_extend: float = 1.0
     v0_fix_us: float = 0.0
     v0_seq_us: float = 0.0
     verify_seq_us: float = 0.0
@@ -153,6 +161,10 @@ class LatencyParams:
     def __post_init__(self) -> None:
         if self.off_path not in OFF_PATHS:
             raise FitError(f"latency params: off_path must be one of {', '.join(OFF_PATHS)}, got {self.off_path!r}")
+        # Files written before the kv mode say true/false (keep/skip).
+        object.__setattr__(self, "off_extend", float(self.off_extend))
+        if not 0.0 <= self.off_extend <= 1.0:
+            raise FitError(f"latency params: off_extend must be in [0, 1], got {self.off_extend}")
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -182,7 +194,7 @@ DECLARED = ("p", "layers", "wave_seqs", "wave_sharpness", "d_layers")
 # --------------------------------------------------------------------------- the coefficient array
 #
 # Every kernel below reads its coefficients from one float64 array laid out as STEP_COEFFS
-# (``off_path`` as off_verify 0.0/1.0, ``off_extend`` as 0.0/1.0); the index constants are
+# (``off_path`` as off_verify 0.0/1.0, ``off_extend`` as the share 0.0-1.0); the index constants are
 # compile-time globals for numba. tests/test_fit.py checks them against the tuple.
 
 STEP_COEFFS = (
@@ -339,8 +351,8 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
         if c[I_OFF_VERIFY] != 0.0:  # SGLang's own depth 0: a width-1 verify and the draft extend
             t += c[I_OH_SPEC] + c[I_VER_SEQ] * b + c[I_V0_FIX] + c[I_V0_SEQ] * b + _draft_pass(c, b, 1.0, ctx_tokens, False)
             t += _extend_seq(c, b)
-        elif c[I_OFF_EXTEND] != 0.0:  # the off switch, the drafter's one-token extend kept
-            t += _draft_pass(c, b, 1.0, ctx_tokens, False) + _extend_seq(c, b)
+        elif c[I_OFF_EXTEND] != 0.0:  # the off switch: its share of the drafter's one-token extend
+            t += c[I_OFF_EXTEND] * (_draft_pass(c, b, 1.0, ctx_tokens, False) + _extend_seq(c, b))
     return float(t)
 
 

@@ -204,6 +204,26 @@ def test_bench_cli_json(tmp_path, capsys):
     assert "tok/s" in capsys.readouterr().out
 
 
+def test_traces_of_a_kv_server_fit_its_depth_0_steps_as_kv():
+    """``--off-draft kv``: the depth-0 steps are the target plus kv's share of the drafter's
+    extend, so the fit keeps that share, and the step it predicts for depth 0 is the one it fitted
+    (the target priced for what is left of the step); a bad mode is refused."""
+    from env.errors import FitError
+    from env.fit import fit_sim
+    from env.latency import OFF_EXTEND
+
+    keep, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [])
+    kv, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], off_draft="kv")
+    assert keep.latency.off_extend == 1.0 and kv.latency.off_extend == OFF_EXTEND["kv"]
+    for bs in (1, 16, 64):
+        k0, v0 = (step_time_us(p.latency, bs, 0, bs * 512.0) for p in (keep, kv))
+        assert abs(v0 / k0 - 1.0) < 0.02, bs  # both fit the same depth-0 steps ...
+        plain_k, plain_v = (step_time_us(replace(p.latency, off_extend=0.0), bs, 0, bs * 512.0) for p in (keep, kv))
+        assert plain_v > 1.02 * plain_k, bs  # ... so kv leaves more of them to the target
+    with pytest.raises(FitError, match="off_draft"):
+        fit_sim(str(EXAMPLES / "h200-llama8b"), [], off_draft="half")
+
+
 def test_example_traces_are_labelled_simulated():
     readme = (EXAMPLES / "README.md").read_text()
     assert "SIMULATED" in readme
@@ -236,8 +256,9 @@ def _composed_step_us(lp, bs: int, depth: int, ctx_tokens: float, prefill_tokens
         if lp.off_path == "verify":
             t += lp.oh_spec_us + lp.verify_seq_us * bs + lp.v0_fix_us + lp.v0_seq_us * bs
             t += float(draft_us(lp, bs, 1, ctx_tokens)) + lp.verify_seq_us * bs * lp.d_layers / lp.layers
-        elif lp.off_extend:
-            t += float(draft_us(lp, bs, 1, ctx_tokens, False)) + lp.verify_seq_us * bs * lp.d_layers / lp.layers
+        elif lp.off_extend:  # its share of the drafter's one-token extend
+            ext0 = float(draft_us(lp, bs, 1, ctx_tokens, False)) + lp.verify_seq_us * bs * lp.d_layers / lp.layers
+            t += lp.off_extend * ext0
     return t
 
 
@@ -250,8 +271,9 @@ def test_the_step_kernel_agrees_with_the_pass_terms_and_over_arrays():
     c = bs * rng.integers(10, 9000, 100)
     pf = rng.choice([0, 0, 100, 5000], 100)
     for name in ("h200-llama8b", "h200-70b", "seed"):
-        for off in ("plain", "verify"):
-            lp = replace(load_deployment(name).latency, off_path=off)
+        for off in ("plain", "verify", "kv"):
+            base = load_deployment(name).latency
+            lp = replace(base, off_path="plain", off_extend=0.37) if off == "kv" else replace(base, off_path=off)
             ref = np.array(
                 [_composed_step_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)]
             )

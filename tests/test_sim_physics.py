@@ -53,6 +53,26 @@ def test_depth0_off_switch_costs_the_drafter_extend_and_nothing_else(h200):
     assert h200.latency.off_path == "plain" and h200.latency.off_extend
 
 
+def test_the_kv_off_switch_pays_its_share_of_the_extend(h200):
+    """``kv`` (keys and values only) sits between skip and keep, at the share measured on the
+    H100; files written with true/false still load as keep/skip; a share outside [0, 1] is
+    refused."""
+    from env.errors import FitError
+    from env.latency import OFF_EXTEND, LatencyParams
+
+    lp = {m: replace(h200.latency, off_path="plain", off_extend=share) for m, share in OFF_EXTEND.items()}
+    for c in (1, 4, 16, 64, 128):
+        t = {m: step_time_us(x, c, 0, c * CTX_PER_SEQ) for m, x in lp.items()}
+        assert t["skip"] < t["kv"] < t["keep"], c
+        assert (t["kv"] - t["skip"]) / (t["keep"] - t["skip"]) == pytest.approx(OFF_EXTEND["kv"]), c
+        assert step_time_us(lp["kv"], c, 3, c * CTX_PER_SEQ) == step_time_us(lp["keep"], c, 3, c * CTX_PER_SEQ)
+    d = h200.latency.to_dict()
+    assert LatencyParams.from_dict({**d, "off_extend": True}).off_extend == 1.0
+    assert LatencyParams.from_dict({**d, "off_extend": False}).off_extend == 0.0
+    with pytest.raises(FitError, match="off_extend"):
+        replace(h200.latency, off_extend=1.5)
+
+
 def test_switching_depth_costs_nothing_of_its_own(h200):
     # Measured: alternating 0, 3, 0, 3 costs the mean of the two (+-0.03 ms). The model has no
     # switch term: a step's time depends on its own depth only.

@@ -175,6 +175,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "must name a .zip" in capsys.readouterr().err
     assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--probe-staleness", "1"]) == 2
     assert "--probe-staleness must be in [0, 1)" in capsys.readouterr().err
+    assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--off-draft", "kv"]) == 2
+    assert "--off-draft describes the traced server: it needs --traces" in capsys.readouterr().err
     assert not (tmp_path / "p.zip").exists()
     assert (
         main(["eval", "--deployment", "seed", "--out", str(tmp_path / "o"), "--policy", "builtin:nope"]) == 2
