@@ -31,13 +31,15 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   #16888). Its cost is the drafter's whole layer and LM head per step: about 6% of an 8B
   target's weight reads, 3-13% of a plain server's throughput measured on the H200.
 - ``kv`` (default): only the drafter's keys and values for the new position are computed and stored
-  (:class:`DraftKVOnly`): embedding, fc, the two norms, the qkv projection and RoPE; no
+  (:class:`DraftKVOnly`, swapped in by an AROUND hook on ``EagleDraftWorker.
+  _draft_extend_for_decode``): embedding, fc, the two norms, the qkv projection and RoPE; no
   attention, MLP or LM head. An EAGLE-3 layer's keys and values at a position depend only on
   that position's token and the target's hidden states, never on the drafter's earlier
   outputs, so the drafter's cache stays exact. What is not current is its next proposal: the
   first step after drafting resumes drafts from a zeroed state (as ``skip`` does) and loses
   that one step's drafts. Single-layer EAGLE-3 drafters on a plain MHA KV pool only; anything
-  else runs ``keep``.
+  else runs ``keep``. Measured on an H100: 0.94-0.98x a plain server at 1-64 requests (keep
+  0.87-0.94x), 60 of 60 checked steps stored bit for bit what SGLang's extend stores.
 - ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: nothing runs, but the
   drafter's KV misses every position decoded while off, for the rest of those requests.
 
