@@ -81,7 +81,8 @@ BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
 # run_eagle_verify calls the name bound in eagle_worker_common, so that is the one to wrap.
 PREPARE_VERIFY = "sglang.srt.speculative.eagle_worker_common.eagle_prepare_for_verify"
 PLAIN_MARK = "specdepth_plain_decode"
-KV_BROKEN_MARK = "specdepth_kv_broken"  # set on a draft worker whose KV-only update cannot run
+# On a draft worker, once checked: "" when the KV-only update runs there, else why it cannot.
+KV_VERDICT_MARK = "specdepth_kv_verdict"
 # The drafter's extend after each verify; at depth 0 with ``kv`` its graph runner is swapped.
 DRAFT_EXTEND = WORKER + ".EagleDraftWorker._draft_extend_for_decode"
 # The width the drafter's extend graphs are captured at, as the graph runner looks it up.
@@ -429,7 +430,7 @@ class DraftKVOnly:
         except Exception:
             COUNTERS.errors += 1
             COUNTERS.kv_fallbacks += 1
-            setattr(self.worker, KV_BROKEN_MARK, True)
+            setattr(self.worker, KV_VERDICT_MARK, "the update failed")
             _log_once("kv", logging.ERROR, "spec controller: drafter KV-only update failed; whole extends from now on", exc=True)
             return self._whole_extend(forward_batch, *args, **kwargs)
         COUNTERS.kv_steps += 1
@@ -501,21 +502,20 @@ _CHECK = SimpleNamespace(steps=0)  # ENV_OFF_DRAFT_CHECK, read at install
 
 def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``EagleDraftWorker._draft_extend_for_decode``: at depth 0, keys and values only."""
-    if (
-        getattr(worker, "speculative_num_steps", None) != 0
-        or batch.forward_mode.is_idle()
-        or getattr(worker, KV_BROKEN_MARK, False)
-    ):
+    if getattr(worker, "speculative_num_steps", None) != 0 or batch.forward_mode.is_idle():
         return original(worker, batch, batch_result, *args, **kwargs)
-    try:
-        why = kv_only_unsupported(worker.draft_runner.model, worker.draft_runner.token_to_kv_pool)
-    except Exception as exc:  # SGLang's worker changed shape: never raise into the scheduler
-        COUNTERS.errors += 1
-        why = f"{type(exc).__name__}: {exc}"
+    why = getattr(worker, KV_VERDICT_MARK, None)
+    if why is None:  # the drafter and its pool do not change: checked once per worker
+        try:
+            why = kv_only_unsupported(worker.draft_runner.model, worker.draft_runner.token_to_kv_pool)
+        except Exception as exc:  # SGLang's worker changed shape: never raise into the scheduler
+            COUNTERS.errors += 1
+            why = f"{type(exc).__name__}: {exc}"
+        setattr(worker, KV_VERDICT_MARK, why)
+        if why:
+            COUNTERS.kv_fallbacks += 1
+            _log_once("kv-unsupported", logging.WARNING, "spec controller: --spec-off-draft kv unsupported here (%s); keep", why)
     if why:
-        COUNTERS.kv_fallbacks += 1
-        setattr(worker, KV_BROKEN_MARK, True)
-        _log_once("kv-unsupported", logging.WARNING, "spec controller: --spec-off-draft kv unsupported here (%s); keep", why)
         return original(worker, batch, batch_result, *args, **kwargs)
     saved = worker.cuda_graph_runner_for_draft_extend
     worker.cuda_graph_runner_for_draft_extend = DraftKVOnly(worker, saved, _CHECK.steps)

@@ -570,4 +570,4 @@ def test_a_draft_worker_of_another_shape_runs_sglangs_extend() -> None:
     worker = SimpleNamespace(speculative_num_steps=0, cuda_graph_runner_for_draft_extend=ExtendGraph())
     log: list[Any] = []
     assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
-    assert getattr(worker, off_switch.KV_BROKEN_MARK)
+    assert getattr(worker, off_switch.KV_VERDICT_MARK)
