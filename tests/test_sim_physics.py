@@ -73,6 +73,26 @@ def test_the_kv_off_switch_pays_its_share_of_the_extend(h200):
         replace(h200.latency, off_extend=1.5)
 
 
+def test_the_off_draft_modes_are_the_hooks_everywhere():
+    """One set of ``--spec-off-draft`` modes: the hook's, the ones the simulator prices, and the
+    ones ``controller fit``/``train --off-draft`` accept (literals there: the CLIs must not import
+    the simulator's kernels to build their help)."""
+    import argparse
+
+    from agents import cli as agents_cli
+    from env import cli as env_cli
+    from env.latency import OFF_EXTEND
+    from sglang_hook.off_switch import OFF_DRAFTS
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    env_cli.register(sub)
+    agents_cli.register(sub)
+    for command in ("fit", "train"):
+        action = next(a for a in sub.choices[command]._actions if a.dest == "off_draft")
+        assert set(action.choices) == set(OFF_DRAFTS), command
+    assert set(OFF_EXTEND) == set(OFF_DRAFTS)
+
+
 def test_switching_depth_costs_nothing_of_its_own(h200):
     # Measured: alternating 0, 3, 0, 3 costs the mean of the two (+-0.03 ms). The model has no
     # switch term: a step's time depends on its own depth only.
