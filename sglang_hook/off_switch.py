@@ -508,6 +508,8 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
     if why is None:  # the drafter and its pool do not change: checked once per worker
         try:
             why = kv_only_unsupported(worker.draft_runner.model, worker.draft_runner.token_to_kv_pool)
+            if not why and not hasattr(worker, "cuda_graph_runner_for_draft_extend"):
+                why = "no cuda_graph_runner_for_draft_extend on the draft worker"
         except Exception as exc:  # SGLang's worker changed shape: never raise into the scheduler
             COUNTERS.errors += 1
             why = f"{type(exc).__name__}: {exc}"

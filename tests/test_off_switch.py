@@ -566,8 +566,14 @@ def test_the_kv_check_compares_with_sglangs_whole_extend(eagle3: Any, monkeypatc
     assert len(worker.cuda_graph_runner_for_draft_extend.ran) == 2  # the third step is not checked
 
 
-def test_a_draft_worker_of_another_shape_runs_sglangs_extend() -> None:
+def test_a_draft_worker_of_another_shape_runs_sglangs_extend(eagle3: Any) -> None:
     worker = SimpleNamespace(speculative_num_steps=0, cuda_graph_runner_for_draft_extend=ExtendGraph())
     log: list[Any] = []
     assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
     assert getattr(worker, off_switch.KV_VERDICT_MARK)
+    model = eagle3()  # a supported drafter, but the runner slot it swaps is gone
+    worker = draft_worker(model, pool_for(model), steps=0)
+    del worker.cuda_graph_runner_for_draft_extend
+    calls: list[str] = []
+    assert off_switch.draft_extend_hook(lambda *a, **k: calls.append("sglang") or "ran", worker, extend_batch(), None) == "ran"
+    assert calls == ["sglang"] and "cuda_graph_runner_for_draft_extend" in getattr(worker, off_switch.KV_VERDICT_MARK)
