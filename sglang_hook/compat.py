@@ -175,13 +175,26 @@ CONTRACT: tuple[Target, ...] = (
     Target(
         "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
         ("self", "batch", "batch_result"),
-        why="off switch kv: wrapped, its extend graph runner swapped at depth 0",
+        why="off switch kv: wrapped; at depth 0 the KV-only update stands in for it",
     ),
     Target(
         "sglang.srt.speculative.eagle_worker_common.prepare_for_draft_extend",
         ("draft_extend_input", "batch", "predict", "num_draft_tokens", "draft_model_runner", "cuda_graph_runner"),
-        why="off switch kv: asks the swapped runner can_run_graph, so plans no attention",
+        why="off switch kv: kv_step_inputs makes its one-token-per-request inputs the same way",
     ),
+    Target(
+        "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._stub_skipped_draft_extend",
+        ("self", "batch", "batch_output"),
+        why="off switch kv: stub_proposal leaves the zeroed proposal this stub leaves",
+    ),
+    Target("sglang.srt.managers.utils.GenerationBatchResult.next_token_ids", kind="field"),
+    Target("sglang.srt.managers.utils.GenerationBatchResult.logits_output", kind="field"),
+    Target("sglang.srt.managers.utils.GenerationBatchResult.next_draft_input", kind="field"),
+    Target("sglang.srt.speculative.eagle_info.EagleDraftInput.topk_p", kind="field"),
+    Target("sglang.srt.speculative.eagle_info.EagleDraftInput.topk_index", kind="field"),
+    Target("sglang.srt.speculative.eagle_info.EagleDraftInput.hidden_states", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.out_cache_loc", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens", kind="field"),
     Target(
         "sglang.srt.models.llama.LlamaAttention.forward_prepare_native",
         ("self", "positions", "hidden_states"),

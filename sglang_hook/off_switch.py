@@ -31,23 +31,25 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   #16888). Its cost is the drafter's whole layer and LM head per step: about 6% of an 8B
   target's weight reads, 3-13% of a plain server's throughput measured on the H200.
 - ``kv`` (default): only the drafter's keys and values for the new position are computed and stored
-  (:class:`DraftKVOnly`, swapped in by an AROUND hook on ``EagleDraftWorker.
-  _draft_extend_for_decode``): embedding, fc, the two norms, the qkv projection and RoPE; no
-  attention, MLP or LM head. An EAGLE-3 layer's keys and values at a position depend only on
-  that position's token and the target's hidden states, never on the drafter's earlier
-  outputs, so the drafter's cache stays exact. What is not current is its next proposal: the
-  first step after drafting resumes drafts from a zeroed state (as ``skip`` does) and loses
-  that one step's drafts. Single-layer EAGLE-3 drafters on a plain MHA KV pool only; anything
-  else runs ``keep``. Measured on an H100: 0.94-0.98x a plain server at 1-64 requests (keep
-  0.87-0.94x), 60 of 60 checked steps stored bit for bit what SGLang's extend stores.
+  (:func:`draft_extend_hook`, AROUND ``EagleDraftWorker._draft_extend_for_decode``): embedding,
+  fc, the two norms, the qkv projection and RoPE, from the verify's own outputs; no attention,
+  MLP or LM head, and none of SGLang's extend preparation or proposal kernels. An EAGLE-3
+  layer's keys and values at a position depend only on that position's token and the target's
+  hidden states, never on the drafter's earlier outputs, so the drafter's cache stays exact.
+  What is not current is its next proposal: SGLang's skip stub (zeros) is left, so the first
+  step after drafting resumes loses that one step's drafts. Single-layer EAGLE-3 drafters on a
+  plain MHA KV pool, greedy drafting only; anything else runs ``keep``. Measured on an H100
+  (through SGLang's extend preparation, before this leaner form): 0.94-0.98x a plain server at
+  1-64 requests (keep 0.87-0.94x); 60 of 60 checked steps stored bit for bit what SGLang's
+  extend stores.
 - ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: nothing runs, but the
   drafter's KV misses every position decoded while off, for the rest of those requests.
 
 Invariants:
 - Only depth 0 changes: a state or a step with ``draft_token_num != 1`` goes to SGLang as is.
 - ``kv`` writes exactly the drafter KV entries SGLang's extend would write (same slots, same
-  modules, same order of operations) and returns SGLang a zeroed proposal of the shapes its
-  extend returns; every other field of the step is SGLang's.
+  modules, same order of operations) and leaves the zeroed proposal of SGLang's own skip stub;
+  every other field of the step is SGLang's.
 - The DECODE forward runs only through a graph captured in DECODE mode (or eagerly); a
   TARGET_VERIFY graph is never replayed with a DECODE batch. If the plain graph cannot be
   built, depth 0 keeps SGLang's verify path (logged once).
@@ -332,7 +334,7 @@ def draft_extend_width_hook(original: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def kv_only_unsupported(model: Any, pool: Any) -> str:
-    """Why :class:`DraftKVOnly` cannot stand in for this drafter's extend ("" = it can).
+    """Why :func:`draft_kv_only` cannot stand in for this drafter's extend ("" = it can).
 
     The keys and values of a drafter layer depend on nothing but the step's inputs only for
     the first (input) layer of an EAGLE-3 head; deeper layers read the first one's attention
@@ -371,7 +373,7 @@ def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden:
     auxiliary hidden states through the optional norms and ``fc``; both normed and joined; the
     attention's qkv projection and RoPE (``forward_prepare_native``, which SGLang's own layer
     calls); then the write SGLang's attention backends make before attending. Tensor methods
-    only: the hook never imports torch itself (:func:`_cat` is ``torch.cat``).
+    only (:func:`_cat` is ``torch.cat``), so the tests can hand it any tensors.
     """
     inner = model.model
     layer = inner.layers[0]
@@ -395,138 +397,141 @@ def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden:
         pool.set_kv_buffer(radix, out_cache_loc, k.clone(), v.clone(), radix.k_scale, radix.v_scale)
 
 
-class DraftKVOnly:
-    """Stands in for the drafter's extend graph runner at depth 0 under ``kv``.
+def kv_step_inputs(batch: Any, batch_result: Any) -> tuple[Any, Any, Any, Any]:
+    """The drafter extend's inputs at depth 0, as SGLang's ``prepare_for_draft_extend`` makes them.
 
-    SGLang's ``_draft_extend_for_decode`` runs unchanged around it: it prepares the extend's
-    forward batch (slots, positions, the target's hidden states) without attention metadata,
-    because :meth:`can_run_graph` says a graph will run, then calls :meth:`execute`, which
-    stores the keys and values and returns zero logits and hidden states of the shapes the
-    extend returns (SGLang turns them into the next proposal: rejected, one step lost on
-    resume). If the write fails, the step runs SGLang's whole extend (``fallback``) and ``kv``
-    is off for the rest of the process.
+    One token per request: the token the verify just sampled, at the position the verify wrote
+    (spec v2's ``batch.seq_lens`` is the length before this step), into the slot the verify
+    assigned, with the target's auxiliary hidden states at that position. Returns
+    ``(input_ids, positions, hidden, out_cache_loc)``, int64 ids and positions as SGLang casts them.
     """
+    ids = batch_result.next_token_ids
+    positions = batch.seq_lens
+    hidden = batch_result.logits_output.hidden_states
+    loc = batch.out_cache_loc
+    bs = int(positions.shape[0])
+    if not (int(ids.shape[0]) == int(hidden.shape[0]) == int(loc.shape[0]) == bs):
+        raise ValueError(f"not one token per request: ids {tuple(ids.shape)}, hidden {tuple(hidden.shape)}, "
+                         f"slots {tuple(loc.shape)}, batch {bs}")  # fmt: skip
+    return ids.long(), positions.long(), hidden, loc
 
-    def __init__(self, worker: Any, fallback: Any, check_steps: int = 0) -> None:
-        self.worker = worker
-        self.fallback = fallback
-        self.check_steps = check_steps
 
-    def can_run_graph(self, forward_batch: Any) -> bool:
-        return True
+def stub_proposal(worker: Any, batch: Any, batch_result: Any) -> None:
+    """The zeroed next proposal SGLang's own skip stub (``_stub_skipped_draft_extend``) leaves.
 
-    def execute(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            runner = self.worker.draft_runner
-            draft_kv_only(
-                runner.model,
-                runner.token_to_kv_pool,
-                forward_batch.input_ids,
-                forward_batch.positions,
-                forward_batch.spec_info.hidden_states,
-                forward_batch.out_cache_loc,
-            )
-            out = self._zero_output(forward_batch)
-        except Exception:
-            COUNTERS.errors += 1
-            COUNTERS.kv_fallbacks += 1
-            setattr(self.worker, KV_VERDICT_MARK, "the update failed")
-            _log_once("kv", logging.ERROR, "spec controller: drafter KV-only update failed; whole extends from now on", exc=True)
-            return self._whole_extend(forward_batch, *args, **kwargs)
-        COUNTERS.kv_steps += 1
-        if COUNTERS.kv_checked < self.check_steps:
-            try:
-                self._check(forward_batch, *args, **kwargs)
-            except Exception:
-                COUNTERS.errors += 1
-                _CHECK.steps = 0
-                _log_once("kv-check", logging.ERROR, "spec controller: kv check failed; no more checks", exc=True)
-        return out
+    The overlap scheduler's future map stashes these fields every step; at depth 0 nothing reads
+    them, and the first step after drafting resumes drafts from them (rejected: one step lost).
+    """
+    import torch  # the scheduler's process has it; the hook module never imports it at load
+    from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
 
-    def _zero_output(self, forward_batch: Any) -> Any:
-        """What SGLang's extend returns, zeroed, as its own skip stub makes it: one row per
-        request (one token each at depth 0), the drafter's vocabulary and recurrent state."""
-        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-        from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
+    bs = int(batch.seq_lens.shape[0])
+    device = batch.seq_lens.device
+    nxt = batch_result.next_draft_input
+    nxt.topk_p = torch.zeros((bs, worker.topk), dtype=torch.float32, device=device)
+    nxt.topk_index = torch.zeros((bs, worker.topk), dtype=torch.int64, device=device)
+    width, dtype = get_draft_recurrent_hidden_state_spec(worker.draft_runner)
+    if width is not None:
+        nxt.hidden_states = torch.zeros((bs, width), dtype=dtype, device=device)
 
-        runner = self.worker.draft_runner
-        bs = int(forward_batch.batch_size)
-        config = runner.model_config
-        vocab = int(getattr(config.hf_config, "draft_vocab_size", None) or config.vocab_size)
-        width, dtype = get_draft_recurrent_hidden_state_spec(runner)
-        like = forward_batch.spec_info.hidden_states  # on the step's device
-        return LogitsProcessorOutput(
-            next_token_logits=like.new_zeros((bs, vocab)).float(),
-            hidden_states=None if width is None else like.new_zeros((bs, width), dtype=dtype),
-        )
 
-    def _check(self, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
-        """SGLang's whole extend over the slots the KV-only update just wrote: how far apart?
+def kv_verdict(worker: Any) -> str:
+    """Whether :func:`draft_extend_hook` can store keys and values only on this draft worker
+    ("" = it can), checked once per worker: the drafter and its pool do not change."""
+    why = getattr(worker, KV_VERDICT_MARK, None)
+    if why is not None:
+        return str(why)
+    try:
+        runner = worker.draft_runner
+        why = kv_only_unsupported(runner.model, runner.token_to_kv_pool)
+        if not why and int(getattr(worker, "topk", 0) or 0) < 1:
+            why = "no topk on the draft worker"
+        if not why and getattr(worker, "seed_dsa_topk_from_draft_extend", False):
+            why = "the extend seeds a DSA top-k"
+        if not why:
+            from sglang.srt.runtime_context import get_spec
 
-        Synchronises with the GPU; a benchmark turns it on for its warm-up only."""
-        runner = self.worker.draft_runner
-        radix = runner.model.model.layers[0].self_attn.attn
-        k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(radix.layer_id)
-        loc = forward_batch.out_cache_loc
-        ours_k, ours_v = k_buf[loc].float(), v_buf[loc].float()
-        self._whole_extend(forward_batch, *args, **kwargs)
-        theirs_k, theirs_v = k_buf[loc].float(), v_buf[loc].float()
-        c = COUNTERS
-        c.kv_checked += 1
-        c.kv_identical += int(bool(ours_k.equal(theirs_k)) and bool(ours_v.equal(theirs_v)))
-        c.kv_max_dk = max(c.kv_max_dk, float((ours_k - theirs_k).abs().max()))
-        c.kv_max_dv = max(c.kv_max_dv, float((ours_v - theirs_v).abs().max()))
-        if c.kv_checked in (1, 10, 100) or c.kv_checked == self.check_steps:
-            logger.info(
-                "spec controller: kv check %d steps, %d identical, max |dk| %.3g (|k| up to %.3g), max |dv| %.3g",
-                c.kv_checked, c.kv_identical, c.kv_max_dk, float(theirs_k.abs().max()), c.kv_max_dv,
-            )  # fmt: skip
+            if getattr(get_spec(), "speculative_use_rejection_sampling", False):
+                why = "rejection sampling reads the drafter's probabilities"
+    except Exception as exc:  # SGLang's worker changed shape: never raise into the scheduler
+        COUNTERS.errors += 1
+        why = f"{type(exc).__name__}: {exc}"
+    setattr(worker, KV_VERDICT_MARK, why)
+    if why:
+        COUNTERS.kv_fallbacks += 1
+        _log_once("kv-unsupported", logging.WARNING, "spec controller: --spec-off-draft kv unsupported here (%s); keep", why)
+    return why
 
-    def _whole_extend(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        """SGLang's extend for this step: its graph if one fits, else eagerly with fresh metadata."""
-        if self.fallback is not None and self.fallback.can_run_graph(forward_batch):
-            return self.fallback.execute(forward_batch, *args, **kwargs)
-        runner = self.worker.draft_runner
-        runner.attn_backend.init_forward_metadata(forward_batch)
-        out = runner.forward(forward_batch).logits_output
-        select = args[0] if args else kwargs.get("select_index")
-        if select is not None:  # 0.5.23's graph path returns the selected rows; keep that shape
-            out.next_token_logits = out.next_token_logits[select]
-            if out.hidden_states is not None:
-                out.hidden_states = out.hidden_states[select]
-        return out
+
+def _check_kv(original: Any, worker: Any, batch: Any, batch_result: Any, loc: Any) -> None:
+    """``ENV_OFF_DRAFT_CHECK``: SGLang's whole extend of the same step, over the slots just
+    written and cleared first (an extend that wrote elsewhere cannot pass): how far apart?
+
+    Synchronises with the GPU; a benchmark turns it on for its warm-up only. SGLang's extend
+    also leaves its own proposal, as ``keep`` would."""
+    runner = worker.draft_runner
+    radix = runner.model.model.layers[0].self_attn.attn
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(radix.layer_id)
+    ours_k, ours_v = k_buf[loc].float(), v_buf[loc].float()
+    k_buf[loc] = 0
+    v_buf[loc] = 0
+    original(worker, batch, batch_result)
+    theirs_k, theirs_v = k_buf[loc].float(), v_buf[loc].float()
+    c = COUNTERS
+    c.kv_checked += 1
+    c.kv_identical += int(bool(ours_k.equal(theirs_k)) and bool(ours_v.equal(theirs_v)))
+    c.kv_max_dk = max(c.kv_max_dk, float((ours_k - theirs_k).abs().max()))
+    c.kv_max_dv = max(c.kv_max_dv, float((ours_v - theirs_v).abs().max()))
+    if c.kv_checked in (1, 10, 100) or c.kv_checked == _CHECK.steps:
+        logger.info(
+            "spec controller: kv check %d steps, %d identical, max |dk| %.3g (|k| up to %.3g), max |dv| %.3g",
+            c.kv_checked, c.kv_identical, c.kv_max_dk, float(theirs_k.abs().max()), c.kv_max_dv,
+        )  # fmt: skip
 
 
 _CHECK = SimpleNamespace(steps=0)  # ENV_OFF_DRAFT_CHECK, read at install
 
 
 def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``EagleDraftWorker._draft_extend_for_decode``: at depth 0, keys and values only."""
-    if getattr(worker, "speculative_num_steps", None) != 0 or batch.forward_mode.is_idle():
+    """AROUND ``EagleDraftWorker._draft_extend_for_decode``: at depth 0, keys and values only.
+
+    In place of SGLang's extend (its preparation, the drafter's forward, the proposal from its
+    logits), the step's drafter keys and values are computed from the verify's outputs
+    (:func:`kv_step_inputs`, :func:`draft_kv_only`) and the zeroed proposal of SGLang's skip
+    stub is left (:func:`stub_proposal`). Anything this does not cover (another depth, an idle
+    batch, extra arguments such as 0.5.23's ``kv_loc_plan``, a drafter :func:`kv_verdict`
+    refuses) runs SGLang's extend; a failure runs it too, and ``kv`` is off for that worker.
+    """
+    if (
+        getattr(worker, "speculative_num_steps", None) != 0
+        or batch.forward_mode.is_idle()
+        or args
+        or any(v is not None for v in kwargs.values())
+        or kv_verdict(worker)
+    ):
         return original(worker, batch, batch_result, *args, **kwargs)
-    why = getattr(worker, KV_VERDICT_MARK, None)
-    if why is None:  # the drafter and its pool do not change: checked once per worker
-        try:
-            why = kv_only_unsupported(worker.draft_runner.model, worker.draft_runner.token_to_kv_pool)
-            if not why and not hasattr(worker, "cuda_graph_runner_for_draft_extend"):
-                why = "no cuda_graph_runner_for_draft_extend on the draft worker"
-        except Exception as exc:  # SGLang's worker changed shape: never raise into the scheduler
-            COUNTERS.errors += 1
-            why = f"{type(exc).__name__}: {exc}"
-        setattr(worker, KV_VERDICT_MARK, why)
-        if why:
-            COUNTERS.kv_fallbacks += 1
-            _log_once("kv-unsupported", logging.WARNING, "spec controller: --spec-off-draft kv unsupported here (%s); keep", why)
-    if why:
-        return original(worker, batch, batch_result, *args, **kwargs)
-    saved = worker.cuda_graph_runner_for_draft_extend
-    worker.cuda_graph_runner_for_draft_extend = DraftKVOnly(worker, saved, _CHECK.steps)
-    if COUNTERS.kv_steps == 0:
-        logger.info("spec controller: depth 0 stores the drafter's keys and values only (bs %d)", len(batch.seq_lens))
     try:
-        return original(worker, batch, batch_result, *args, **kwargs)
-    finally:
-        worker.cuda_graph_runner_for_draft_extend = saved
+        ids, positions, hidden, loc = kv_step_inputs(batch, batch_result)
+        runner = worker.draft_runner
+        draft_kv_only(runner.model, runner.token_to_kv_pool, ids, positions, hidden, loc)
+        stub_proposal(worker, batch, batch_result)
+    except Exception:
+        COUNTERS.errors += 1
+        COUNTERS.kv_fallbacks += 1
+        setattr(worker, KV_VERDICT_MARK, "the update failed")
+        _log_once("kv", logging.ERROR, "spec controller: drafter KV-only update failed; whole extends from now on", exc=True)
+        return original(worker, batch, batch_result)
+    COUNTERS.kv_steps += 1
+    if COUNTERS.kv_steps == 1:
+        logger.info("spec controller: depth 0 stores the drafter's keys and values only (bs %d)", len(batch.seq_lens))
+    if COUNTERS.kv_checked < _CHECK.steps:
+        try:
+            _check_kv(original, worker, batch, batch_result, loc)
+        except Exception:
+            COUNTERS.errors += 1
+            _CHECK.steps = 0
+            _log_once("kv-check", logging.ERROR, "spec controller: kv check failed; no more checks", exc=True)
+    return None
 
 
 HOOKS = ((BUILD_STATE, build_state_hook), (PREPARE_VERIFY, prepare_verify_hook))
@@ -537,7 +542,7 @@ def install(register: Any, config: OffConfig) -> None:
 
     With ``skip`` the drafter's extend is left out at depth 0 through SGLang's own switch,
     which scheduler children read from the environment they inherit; with ``kv`` it is
-    replaced by :class:`DraftKVOnly`.
+    replaced by the KV-only update (:func:`draft_extend_hook`).
     """
     register(DRAFT_EXTEND_WIDTH, draft_extend_width_hook)  # every depth, whatever the off path
     if not config.plain:

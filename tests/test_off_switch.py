@@ -443,34 +443,6 @@ def test_kv_only_refuses_what_it_cannot_keep_exact(eagle3: Any) -> None:
     assert "not an EAGLE-3 drafter" in off_switch.kv_only_unsupported(SimpleNamespace(), pool_for(model))
 
 
-class ExtendGraph:
-    """The drafter's extend graph runner as SGLang's extend uses it."""
-
-    def __init__(self) -> None:
-        self.ran: list[Any] = []
-
-    def can_run_graph(self, fb: Any) -> bool:
-        return True
-
-    def execute(self, fb: Any, *args: Any) -> Any:
-        self.ran.append(fb)
-        return "whole extend"
-
-
-def sglang_extend(log: list[Any]) -> Any:
-    """What ``_draft_extend_for_decode`` does with the runner it finds: ask, then execute."""
-
-    def extend(worker: Any, batch: Any, result: Any, **kw: Any) -> Any:
-        runner = worker.cuda_graph_runner_for_draft_extend
-        fb = SimpleNamespace(batch_size=3, input_ids=batch.input_ids, positions=batch.positions,
-                             spec_info=SimpleNamespace(hidden_states=batch.hidden), out_cache_loc=batch.loc)  # fmt: skip
-        log.append(runner)
-        assert runner.can_run_graph(fb)  # no attention metadata is planned for the extend
-        return runner.execute(fb)
-
-    return extend
-
-
 def draft_worker(model: Any, pool: Any, steps: int) -> Any:
     import torch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -478,51 +450,99 @@ def draft_worker(model: Any, pool: Any, steps: int) -> Any:
     config = SimpleNamespace(hf_config=model.config, vocab_size=300, spec_hidden_size=64, dtype=torch.float32)
     runner = SimpleNamespace(model=model, token_to_kv_pool=pool, model_config=config,
                              spec_algorithm=SpeculativeAlgorithm.EAGLE3)  # fmt: skip
-    return SimpleNamespace(speculative_num_steps=steps, cuda_graph_runner_for_draft_extend=ExtendGraph(),
-                           draft_runner=runner)  # fmt: skip
+    return SimpleNamespace(speculative_num_steps=steps, topk=1, draft_runner=runner)
 
 
-def extend_batch() -> Any:
+def decode_step() -> tuple[Any, Any]:
+    """A depth-0 step after its verify: spec v2's batch (lengths before this step, the slots the
+    verify assigned) and the verify's result (the sampled tokens, the target's aux hidden)."""
     import torch
 
-    return SimpleNamespace(
-        forward_mode=ForwardMode.DECODE, input_ids=torch.tensor([1, 2, 3]), positions=torch.tensor([4, 9, 2]),
-        hidden=torch.randn(3, 192), loc=torch.tensor([7, 8, 9]), seq_lens=torch.tensor([4, 9, 2]),
-    )  # fmt: skip
+    batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([4, 9, 2]),
+                            out_cache_loc=torch.tensor([7, 8, 9]))  # fmt: skip
+    result = SimpleNamespace(
+        next_token_ids=torch.tensor([1, 2, 3], dtype=torch.int32),
+        logits_output=SimpleNamespace(hidden_states=torch.randn(3, 192)),
+        next_draft_input=SimpleNamespace(topk_p=None, topk_index=None, hidden_states=None),
+    )
+    return batch, result
 
 
-def test_depth_0_extends_store_kv_only_and_return_sglangs_shapes(eagle3: Any) -> None:
+class SGLangExtend:
+    """Stands in for SGLang's whole ``_draft_extend_for_decode``: counts calls; ``shift`` makes
+    it store keys that far from the KV-only update's (``at`` overrides the slots it writes)."""
+
+    def __init__(self, pool: Any = None, model: Any = None, shift: float = 0.0, at: Any = None) -> None:
+        self.calls = 0
+        self.pool, self.model, self.shift, self.at = pool, model, shift, at
+
+    def __call__(self, worker: Any, batch: Any, result: Any, *args: Any, **kwargs: Any) -> str:
+        self.calls += 1
+        if self.pool is not None:
+            import torch
+
+            ids, positions, hidden, loc = off_switch.kv_step_inputs(batch, result)
+            loc = loc if self.at is None else self.at
+            with torch.inference_mode():
+                off_switch.draft_kv_only(self.model, self.pool, ids, positions, hidden, loc)
+            k_buf, _ = self.pool.get_kv_buffer(self.model.model.layers[0].self_attn.attn.layer_id)
+            k_buf[loc] += self.shift
+        return "whole extend"
+
+
+@pytest.fixture
+def spec(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """SGLang's runtime spec config as a server without rejection sampling has it."""
+    from sglang.srt import runtime_context
+
+    cfg = SimpleNamespace(speculative_use_rejection_sampling=False)
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: cfg)
+    return cfg
+
+
+def test_depth_0_extends_store_kv_only_and_leave_sglangs_stub(eagle3: Any, spec: Any) -> None:
     import torch
 
     model = eagle3()
     pool = pool_for(model)
     worker = draft_worker(model, pool, steps=0)
-    graph = worker.cuda_graph_runner_for_draft_extend
-    log: list[Any] = []
+    batch, result = decode_step()
+    sglang = SGLangExtend()
     kv_steps = off_switch.COUNTERS.kv_steps
     with torch.inference_mode():
-        out = off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None)
-    assert isinstance(log[0], off_switch.DraftKVOnly) and graph.ran == []
-    assert worker.cuda_graph_runner_for_draft_extend is graph  # SGLang's runner is back
-    assert out.next_token_logits.shape == (3, 100) and not out.next_token_logits.any()  # draft vocab
-    assert out.hidden_states.shape == (3, 64) and out.hidden_states.dtype == torch.float32
-    assert off_switch.COUNTERS.kv_steps == kv_steps + 1
-    k_buf, _ = pool.get_kv_buffer(model.model.layers[0].self_attn.attn.layer_id)
+        assert off_switch.draft_extend_hook(sglang, worker, batch, result) is None
+    assert sglang.calls == 0 and off_switch.COUNTERS.kv_steps == kv_steps + 1
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+    k_buf, v_buf = pool.get_kv_buffer(layer_id)
+    # exactly what the drafter's own modules give for the sampled tokens at the verify's positions
+    ref = pool_for(model)
+    with torch.inference_mode():
+        off_switch.draft_kv_only(model, ref, result.next_token_ids.long(), batch.seq_lens,
+                                 result.logits_output.hidden_states, batch.out_cache_loc)  # fmt: skip
+    torch.testing.assert_close(k_buf, ref.get_kv_buffer(layer_id)[0], rtol=0, atol=0)
+    torch.testing.assert_close(v_buf, ref.get_kv_buffer(layer_id)[1], rtol=0, atol=0)
     assert k_buf[[7, 8, 9]].abs().sum(dim=(1, 2)).gt(0).all() and not k_buf[:7].any()
+    nxt = result.next_draft_input  # SGLang's skip stub: zeros of the shapes the future map stashes
+    assert nxt.topk_p.shape == (3, 1) and nxt.topk_p.dtype == torch.float32 and not nxt.topk_p.any()
+    assert nxt.topk_index.shape == (3, 1) and nxt.topk_index.dtype == torch.int64 and not nxt.topk_index.any()
+    assert nxt.hidden_states.shape == (3, 64) and not nxt.hidden_states.any()
 
     worker.speculative_num_steps = 3  # drafting: SGLang's extend as is
-    assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
-    assert log[-1] is graph
+    assert off_switch.draft_extend_hook(sglang, worker, batch, result) == "whole extend" and sglang.calls == 1
+    worker.speculative_num_steps = 0  # an argument the KV-only update does not know (0.5.23's plan)
+    assert off_switch.draft_extend_hook(sglang, worker, batch, result, kv_loc_plan=object()) == "whole extend"
+    assert sglang.calls == 2
 
 
-def test_a_failing_kv_update_runs_the_whole_extend_from_then_on(eagle3: Any) -> None:
+def test_a_failing_kv_update_runs_the_whole_extend_from_then_on(eagle3: Any, spec: Any) -> None:
+    import torch
+
     model = eagle3()
     worker = draft_worker(model, SimpleNamespace(), steps=0)  # a pool the check refuses
-    log: list[Any] = []
-    assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
-    assert log == [worker.cuda_graph_runner_for_draft_extend]
-
-    import torch
+    sglang = SGLangExtend()
+    batch, result = decode_step()
+    assert off_switch.draft_extend_hook(sglang, worker, batch, result) == "whole extend" and sglang.calls == 1
+    assert "KV pool" in getattr(worker, off_switch.KV_VERDICT_MARK)
 
     class BrokenPool:  # passes the check, fails the write: SGLang changed under the hook
         def set_kv_buffer(self, *a: Any, **kw: Any) -> None:
@@ -530,50 +550,60 @@ def test_a_failing_kv_update_runs_the_whole_extend_from_then_on(eagle3: Any) -> 
 
     BrokenPool.__name__ = "MHATokenToKVPool"
     worker = draft_worker(model, BrokenPool(), steps=0)
-    graph = worker.cuda_graph_runner_for_draft_extend
     errors = off_switch.COUNTERS.errors
     with torch.inference_mode():
-        assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
-    assert off_switch.COUNTERS.errors == errors + 1 and len(graph.ran) == 1
-    assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
-    assert log[-1] is graph  # no second try: the rest of the process runs SGLang's extend
+        assert off_switch.draft_extend_hook(sglang, worker, batch, result) == "whole extend"
+    assert off_switch.COUNTERS.errors == errors + 1 and sglang.calls == 2
+    assert getattr(worker, off_switch.KV_VERDICT_MARK) == "the update failed"
+    assert off_switch.draft_extend_hook(sglang, worker, batch, result) == "whole extend"  # no second try
+    assert sglang.calls == 3 and off_switch.COUNTERS.errors == errors + 1
+
+    pool = pool_for(model)  # a step that is not one token per request is not guessed at
+    worker = draft_worker(model, pool, steps=0)
+    batch.seq_lens = batch.seq_lens[:2]
+    with torch.inference_mode():
+        assert off_switch.draft_extend_hook(sglang, worker, batch, result) == "whole extend"
+    assert not pool.get_kv_buffer(model.model.layers[0].self_attn.attn.layer_id)[0].any()
 
 
-def test_the_kv_check_compares_with_sglangs_whole_extend(eagle3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``SPECDEPTH_OFF_DRAFT_CHECK``: the GPU benchmark's proof that the two write the same."""
+def test_kv_is_refused_where_the_proposal_must_be_real(eagle3: Any, spec: Any) -> None:
+    model = eagle3()
+    spec.speculative_use_rejection_sampling = True  # the next verify reads the drafter's probabilities
+    worker = draft_worker(model, pool_for(model), steps=0)
+    sglang = SGLangExtend()
+    assert off_switch.draft_extend_hook(sglang, worker, *decode_step()) == "whole extend"
+    assert "rejection sampling" in getattr(worker, off_switch.KV_VERDICT_MARK)
+    spec.speculative_use_rejection_sampling = False
+    worker = draft_worker(model, pool_for(model), steps=0)
+    worker.seed_dsa_topk_from_draft_extend = True
+    assert off_switch.draft_extend_hook(sglang, worker, *decode_step()) == "whole extend"
+    assert "DSA" in getattr(worker, off_switch.KV_VERDICT_MARK)
+    worker = SimpleNamespace(speculative_num_steps=0)  # SGLang's draft worker changed shape
+    assert off_switch.draft_extend_hook(sglang, worker, *decode_step()) == "whole extend"
+    assert "AttributeError" in getattr(worker, off_switch.KV_VERDICT_MARK) and sglang.calls == 3
+
+
+@pytest.mark.parametrize(
+    ("shift", "elsewhere", "identical"), [(0.0, False, 2), (0.5, False, 0), (0.0, True, 0)], ids=["same", "shifted", "other-slots"]
+)  # fmt: skip
+def test_the_kv_check_compares_with_sglangs_whole_extend(
+    eagle3: Any, spec: Any, monkeypatch: pytest.MonkeyPatch, shift: float, elsewhere: bool, identical: int
+) -> None:
+    """``SPECDEPTH_OFF_DRAFT_CHECK``: the GPU benchmark's proof that the two write the same, at
+    the same slots (the slots are cleared before SGLang's extend runs)."""
     import torch
 
     model = eagle3()
     pool = pool_for(model)
     worker = draft_worker(model, pool, steps=0)
-    layer_id = model.model.layers[0].self_attn.attn.layer_id
-
-    class ShiftedExtend(ExtendGraph):  # SGLang's extend, if it wrote keys 0.5 higher
-        def execute(self, fb: Any, *args: Any) -> Any:
-            k_buf, _ = pool.get_kv_buffer(layer_id)
-            k_buf[fb.out_cache_loc] += 0.5
-            return super().execute(fb)
-
-    worker.cuda_graph_runner_for_draft_extend = ShiftedExtend()
+    at = torch.tensor([20, 21, 22]) if elsewhere else None
+    sglang = SGLangExtend(pool, model, shift=shift, at=at)
     monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=2))
     monkeypatch.setattr(off_switch, "COUNTERS", off_switch.OffCounters())
     with torch.inference_mode():
         for _ in range(3):
-            off_switch.draft_extend_hook(sglang_extend([]), worker, extend_batch(), None)
+            off_switch.draft_extend_hook(sglang, worker, *decode_step())
     c = off_switch.COUNTERS
-    assert (c.kv_steps, c.kv_checked, c.kv_identical) == (3, 2, 0)
-    assert c.kv_max_dk == pytest.approx(0.5) and c.kv_max_dv == 0.0
-    assert len(worker.cuda_graph_runner_for_draft_extend.ran) == 2  # the third step is not checked
-
-
-def test_a_draft_worker_of_another_shape_runs_sglangs_extend(eagle3: Any) -> None:
-    worker = SimpleNamespace(speculative_num_steps=0, cuda_graph_runner_for_draft_extend=ExtendGraph())
-    log: list[Any] = []
-    assert off_switch.draft_extend_hook(sglang_extend(log), worker, extend_batch(), None) == "whole extend"
-    assert getattr(worker, off_switch.KV_VERDICT_MARK)
-    model = eagle3()  # a supported drafter, but the runner slot it swaps is gone
-    worker = draft_worker(model, pool_for(model), steps=0)
-    del worker.cuda_graph_runner_for_draft_extend
-    calls: list[str] = []
-    assert off_switch.draft_extend_hook(lambda *a, **k: calls.append("sglang") or "ran", worker, extend_batch(), None) == "ran"
-    assert calls == ["sglang"] and "cuda_graph_runner_for_draft_extend" in getattr(worker, off_switch.KV_VERDICT_MARK)
+    assert (c.kv_steps, c.kv_checked, c.kv_identical) == (3, 2, identical)
+    assert c.kv_max_dk == pytest.approx(shift) if not elsewhere else c.kv_max_dk > 0
+    assert sglang.calls == 2  # the third step is not checked

@@ -423,3 +423,37 @@ def test_the_simulator_replays_drawn_output_lengths() -> None:
     assert realgpu_sim.sim_workload("closed-mix-256-128~0.7", 1) == "closed:1@prompt=256,output=128~0.7,n=4"
     args = realgpu.parse(["--stages", "closed", "--output-sigma", "0.7", "--policies", "plain"])
     assert args.output_sigma == 0.7
+
+
+def test_the_profile_timeline_splits_a_step_into_graph_eager_and_idle() -> None:
+    """Two steps: a graph replay (two kernels), then an eager kernel the GPU waited 50 us for."""
+    import offswitch
+
+    def runtime(name: str, corr: int, ts: float) -> dict:
+        return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": 5.0, "tid": 1, "args": {"correlation": corr}}
+
+    def kernel(name: str, corr: int, ts: float, dur: float) -> dict:
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = []
+    for step in range(2):
+        t = 1000.0 * step
+        events += [
+            runtime("cudaGraphLaunch", 10 * step + 1, t),
+            kernel("gemm", 10 * step + 1, t + 10, 500),
+            kernel("attention", 10 * step + 1, t + 510, 300),
+            runtime("cudaLaunchKernel", 10 * step + 2, t + 840),
+            kernel("argmax", 10 * step + 2, t + 860, 40),  # 50 us after the graph's last kernel
+            {"cat": "python_function", "name": "sglang/srt/speculative/eagle_utils.py(1): sample", "ts": t + 830,
+             "dur": 20.0, "tid": 1},
+        ]  # fmt: skip
+    out = offswitch.summarize_trace({"traceEvents": events}, steps=2)["timeline"]
+    assert out["busy_us_per_step"] == pytest.approx(840.0)
+    assert out["eager_ops_per_step"] == 1.0 and out["eager_us_per_step"] == pytest.approx(40.0)
+    assert [e["name"] for e in out["eager_top"]] == ["argmax"]
+    # the gap before each argmax (50 us) and the one between the steps (110 us, before the graph)
+    assert out["gaps_over_20us_per_step"] == pytest.approx((50 + 110 + 50) / 2)
+    assert out["span_us_per_step"] == pytest.approx((1900 - 10) / 2)
+    waited = {w["launch"].split(" <- ")[0]: w for w in out["waited_for"]}
+    assert waited["cudaLaunchKernel"]["us_per_step"] == pytest.approx(50.0)
+    assert "eagle_utils" in [w["launch"] for w in out["waited_for"] if w["launch"].startswith("cudaLaunchKernel")][0]

@@ -269,6 +269,64 @@ SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamWaitEvent")  # fmt: skip
 
 
+def timeline(events: list[dict[str, Any]], steps: int, python: dict[Any, list[tuple[float, float, str]]]) -> dict[str, Any]:
+    """Where a profiled step's wall time goes on the GPU: the span of its GPU work, the part
+    busy, the idle gaps; the work launched outside CUDA graphs (eager kernels, copies, memsets);
+    and, when the trace has Python stacks, which code launched the work that ended each gap
+    longer than 20 us (the GPU was waiting for that launch)."""
+    launches: dict[Any, dict[str, Any]] = {}
+    for ev in events:
+        if ev.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in ev:
+            corr = (ev.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[corr] = ev
+    gpu = sorted(
+        (float(ev["ts"]), float(ev["dur"]), str(ev.get("name", ""))[:70], (ev.get("args") or {}).get("correlation"))
+        for ev in events
+        if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev
+    )
+    if not gpu:
+        return {}
+    busy, end = 0.0, gpu[0][0]
+    gaps: list[tuple[float, Any]] = []
+    eager: dict[str, list[float]] = {}
+    for ts, dur, name, corr in gpu:
+        if ts > end:
+            gaps.append((ts - end, corr))
+        busy += max(0.0, ts + dur - max(ts, end))
+        end = max(end, ts + dur)
+        if str(launches.get(corr, {}).get("name", "")) != "cudaGraphLaunch":
+            eager.setdefault(name, []).append(dur)
+    span = end - gpu[0][0]
+    waited: dict[str, list[float]] = {}
+    for gap, corr in gaps:
+        if gap < 20.0:
+            continue
+        ev = launches.get(corr)
+        key = str(ev.get("name", "?"))[:30] if ev else "?"
+        if ev is not None:
+            ts = float(ev["ts"])
+            frames = sorted(
+                (dur, fname) for start, dur, fname in python.get(ev.get("tid"), []) if start <= ts <= start + dur
+            )
+            key += " <- " + " <- ".join(f for _, f in frames[:4] if "torch/" not in f)[:300]
+        waited.setdefault(key, []).append(gap)
+    top_eager = sorted(eager.items(), key=lambda kv: -sum(kv[1]))[:15]
+    return {
+        "span_us_per_step": round(span / steps, 1),
+        "busy_us_per_step": round(busy / steps, 1),
+        "idle_us_per_step": round((span - busy) / steps, 1),
+        "gaps_over_20us_per_step": round(sum(g for g, _ in gaps if g >= 20.0) / steps, 1),
+        "eager_ops_per_step": round(sum(len(v) for v in eager.values()) / steps, 1),
+        "eager_us_per_step": round(sum(sum(v) for v in eager.values()) / steps, 1),
+        "eager_top": [{"name": k, "n": round(len(v) / steps, 1), "us": round(sum(v) / steps, 1)} for k, v in top_eager],
+        "waited_for": [
+            {"launch": k, "n": len(v), "us_per_step": round(sum(v) / steps, 1)}
+            for k, v in sorted(waited.items(), key=lambda kv: -sum(kv[1]))[:10]
+        ],
+    }
+
+
 def summarize_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     """GPU kernel time by name; CPU runtime calls (launches, graph launches, syncs) per step; and
     for each blocking call, the innermost Python frames around it (when the trace has stacks)."""
@@ -305,6 +363,7 @@ def summarize_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     total = sum(sum(v) for v in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
     return {
+        "timeline": timeline(events, steps, python),
         "steps": steps,
         "gpu_us_per_step": round(total / steps, 1),
         "kernels": [{"name": k, "us_per_step": round(sum(v) / steps, 1), "n": len(v)} for k, v in top],
@@ -320,9 +379,12 @@ def summarize_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
 
 
 def profile(
-    server: Server, c: int, args: argparse.Namespace, out_dir: Path, steps: int = 6
+    server: Server, c: int, args: argparse.Namespace, out_dir: Path, steps: int = 6, with_stack: bool = True
 ) -> dict[str, Any]:
-    """Profile ``steps`` decode steps at concurrency ``c`` with SGLang's torch-profiler endpoint."""
+    """Profile ``steps`` decode steps at concurrency ``c`` with SGLang's torch-profiler endpoint.
+
+    Python stacks name the code behind each blocking call and GPU gap, but tracing Python slows
+    the scheduler's CPU side; the timeline of a profile without them is the faithful one."""
     import glob
     import gzip
     import urllib.request
@@ -333,7 +395,7 @@ def profile(
     th = threading.Thread(target=lambda: box.update(m=run_load(server.url, spec, timeout_s=120)))
     th.start()
     time.sleep(1.5)
-    body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": True}
+    body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": with_stack}
     req = urllib.request.Request(
         server.url + "/start_profile",
         data=json.dumps(body).encode(),
@@ -357,7 +419,7 @@ def profile(
     opener: Any = gzip.open if files[-1].endswith(".gz") else open
     with opener(files[-1], "rt") as fh:
         trace = json.load(fh)
-    return {"trace": os.path.basename(files[-1]), "c": c, **summarize_trace(trace, steps)}
+    return {"trace": os.path.basename(files[-1]), "c": c, "with_stack": with_stack, **summarize_trace(trace, steps)}
 
 
 def switch_cost(book: Book, server: Server, args: argparse.Namespace, deadline: float) -> None:
@@ -417,7 +479,10 @@ def main() -> int:
     parser.add_argument("--mem-fraction", type=float, default=0.8)
     parser.add_argument("--max-total-tokens", type=int, default=65536)
     parser.add_argument("--profile", default="", help="comma list of servers to profile if time is left")
-    parser.add_argument("--profile-conc", type=int, default=16)
+    parser.add_argument(
+        "--profile-conc", type=lambda s: [int(x) for x in s.split(",")], default=[16],
+        help="concurrencies to profile at (comma list); each twice: without Python stacks (timing), then with",
+    )  # fmt: skip
     parser.add_argument("--switch", default="", help="server to time static:0, static:3 and alternate:0,3 on")
     parser.add_argument(
         "--no-prefill-graph",
@@ -477,13 +542,17 @@ def main() -> int:
             server = next((s for s in live if s.spec.label == args.switch), None)
             if server is not None:
                 switch_cost(book, server, args, deadline)
-        for label in filter(None, args.profile.split(",")):
-            server = next((s for s in live if s.spec.label == label), None)
-            if server is not None and time.time() < deadline - 25:
-                res.data.setdefault("profile", {})[label] = profile(
-                    server, args.profile_conc, args, run.RES / f"prof_{label}"
-                )
-                book.flush()
+        for c in args.profile_conc:
+            for with_stack in (False, True):
+                for label in filter(None, args.profile.split(",")):
+                    server = next((s for s in live if s.spec.label == label), None)
+                    if server is not None and time.time() < deadline - 25:
+                        key = f"{label}@c{c}" + ("+stack" if with_stack else "")
+                        res.data.setdefault("profile", {})[key] = profile(
+                            server, c, args, run.RES / f"prof_{key.replace('@', '_').replace('+', '_')}",
+                            with_stack=with_stack,
+                        )  # fmt: skip
+                        book.flush()
     finally:
         for server in servers:
             server.stop()
@@ -501,7 +570,13 @@ def main() -> int:
             print(f"  {label}: kv={f['kv'][:3]} off={f['off_switch'][:3]} switches={f['switches']} "
                   f"rule_lines={f['sglang_rule_lines']} errors={f['errors'][:2]}")  # fmt: skip
         for label, p in res.data.get("profile", {}).items():
-            print(f"\n== profile {label}: {json.dumps(p)[:2500]}")
+            t = p.get("timeline", {})
+            print(f"\n== profile {label}: gpu {p.get('gpu_us_per_step')} us/step; " + json.dumps(
+                {k: v for k, v in t.items() if k not in ("eager_top", "waited_for")}))
+            for e in t.get("eager_top", [])[:10]:
+                print(f"   eager {e['n']:5.1f}/step {e['us']:7.1f} us  {e['name']}")
+            for w in t.get("waited_for", [])[:6]:
+                print(f"   waited {w['us_per_step']:7.1f} us/step (n={w['n']}) for {w['launch'][:240]}")
         closed = [r for r in book.rows if r["workload"].startswith("closed")]
         print("\n== throughput (tok/s), ratios to plain per repetition\n" + table(closed))
         for r in book.rows:
