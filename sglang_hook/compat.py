@@ -185,7 +185,7 @@ CONTRACT: tuple[Target, ...] = (
     Target(
         "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._stub_skipped_draft_extend",
         ("self", "batch", "batch_output"),
-        why="off switch kv: stub_proposal leaves the zeroed proposal this stub leaves",
+        why="off switch kv: stub_proposal runs it (reads topk, device, draft_worker)",
     ),
     Target("sglang.srt.managers.utils.GenerationBatchResult.next_token_ids", kind="field"),
     Target("sglang.srt.managers.utils.GenerationBatchResult.logits_output", kind="field"),

@@ -417,22 +417,17 @@ def kv_step_inputs(batch: Any, batch_result: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def stub_proposal(worker: Any, batch: Any, batch_result: Any) -> None:
-    """The zeroed next proposal SGLang's own skip stub (``_stub_skipped_draft_extend``) leaves.
+    """Leave the zeroed next proposal of SGLang's own skip stub, by running that stub.
 
     The overlap scheduler's future map stashes these fields every step; at depth 0 nothing reads
     them, and the first step after drafting resumes drafts from them (rejected: one step lost).
+    The stub is a method of the speculative worker that owns this draft worker; it reads only
+    the depth-independent ``topk``, ``device`` and ``draft_worker`` from it.
     """
-    import torch  # the scheduler's process has it; the hook module never imports it at load
-    from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
-    bs = int(batch.seq_lens.shape[0])
-    device = batch.seq_lens.device
-    nxt = batch_result.next_draft_input
-    nxt.topk_p = torch.zeros((bs, worker.topk), dtype=torch.float32, device=device)
-    nxt.topk_index = torch.zeros((bs, worker.topk), dtype=torch.int64, device=device)
-    width, dtype = get_draft_recurrent_hidden_state_spec(worker.draft_runner)
-    if width is not None:
-        nxt.hidden_states = torch.zeros((bs, width), dtype=dtype, device=device)
+    owner = SimpleNamespace(topk=worker.topk, device=batch.seq_lens.device, draft_worker=worker)
+    EAGLEWorkerV2._stub_skipped_draft_extend(owner, batch, batch_result)
 
 
 def kv_verdict(worker: Any) -> str:
