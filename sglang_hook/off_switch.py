@@ -85,7 +85,7 @@ PREPARE_VERIFY = "sglang.srt.speculative.eagle_worker_common.eagle_prepare_for_v
 PLAIN_MARK = "specdepth_plain_decode"
 # On a draft worker, once checked: "" when the KV-only update runs there, else why it cannot.
 KV_VERDICT_MARK = "specdepth_kv_verdict"
-# The drafter's extend after each verify; at depth 0 with ``kv`` its graph runner is swapped.
+# The drafter's extend after each verify; at depth 0 with ``kv`` the KV-only update replaces it.
 DRAFT_EXTEND = WORKER + ".EagleDraftWorker._draft_extend_for_decode"
 # The width the drafter's extend graphs are captured at, as the graph runner looks it up.
 DRAFT_EXTEND_WIDTH = "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.resolve_num_tokens_per_req"
