@@ -178,6 +178,16 @@ CONTRACT: tuple[Target, ...] = (
         why="off switch kv: wrapped; at depth 0 the KV-only update stands in for it",
     ),
     Target(
+        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft",
+        ("self", "batch"),
+        why="off switch kv: wrapped; depth 0's owed drafter updates are stored before a draft",
+    ),
+    Target(
+        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
+        ("self", "batch", "target_hidden_states", "next_token_ids"),
+        why="off switch kv: wrapped; depth 0's owed drafter updates are stored before a prefill's",
+    ),
+    Target(
         "sglang.srt.speculative.eagle_worker_common.prepare_for_draft_extend",
         ("draft_extend_input", "batch", "predict", "num_draft_tokens", "draft_model_runner", "cuda_graph_runner"),
         why="off switch kv: kv_step_inputs makes its one-token-per-request inputs the same way",

@@ -77,6 +77,11 @@ SGLANG_SKIP_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
 # A diagnostic for the GPU benchmarks: under ``kv``, the first N depth-0 steps of each scheduler
 # also run SGLang's whole extend over the slots just written and log how far apart they are.
 ENV_OFF_DRAFT_CHECK = "SPECDEPTH_OFF_DRAFT_CHECK"
+# Under ``kv``, how many depth-0 steps' drafter updates may be owed and stored in one pass (1:
+# each step stores its own), and how many rows (requests x steps) the owed inputs may hold.
+ENV_OFF_DRAFT_DEFER = "SPECDEPTH_OFF_DRAFT_DEFER"
+DEFER_STEPS = 16
+DEFER_ROWS = 1024
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
 BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
@@ -87,6 +92,9 @@ PLAIN_MARK = "specdepth_plain_decode"
 KV_VERDICT_MARK = "specdepth_kv_verdict"
 # The drafter's extend after each verify; at depth 0 with ``kv`` the KV-only update replaces it.
 DRAFT_EXTEND = WORKER + ".EagleDraftWorker._draft_extend_for_decode"
+# The draft worker's other two uses of the drafter's cache: owed depth-0 updates go first.
+DRAFT = WORKER + ".EagleDraftWorker.draft"
+DRAFT_PREFILL = WORKER + ".EagleDraftWorker._draft_extend_for_prefill"
 # The width the drafter's extend graphs are captured at, as the graph runner looks it up.
 DRAFT_EXTEND_WIDTH = "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.resolve_num_tokens_per_req"
 
@@ -107,6 +115,13 @@ class OffCounters:
     kv_identical: int = 0
     kv_max_dk: float = 0.0
     kv_max_dv: float = 0.0
+    kv_flushes: int = 0  # passes that stored owed depth-0 steps (ENV_OFF_DRAFT_DEFER)
+    kv_deferred_steps: int = 0  # ... and the steps they stored
+    # ENV_OFF_DRAFT_CHECK, after the steps above: passes whose rows were also computed one step at
+    # a time, those alike bit for bit, the largest difference (batching may change GEMM rounding)
+    kv_batch_checked: int = 0
+    kv_batch_identical: int = 0
+    kv_batch_max_d: float = 0.0
 
 
 COUNTERS = OffCounters()
@@ -365,15 +380,15 @@ def _cat(parts: list[Any]) -> Any:
     return out
 
 
-def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden: Any, out_cache_loc: Any) -> None:
-    """Store an EAGLE-3 drafter's keys and values for one extend, and compute nothing else.
+def draft_kv(model: Any, input_ids: Any, positions: Any, hidden: Any) -> tuple[Any, Any, Any]:
+    """An EAGLE-3 drafter's keys and values for one extend, and nothing else: ``(attn, k, v)``.
 
     The steps of SGLang's ``llama_eagle3.LlamaModel.forward`` and of its input decoder layer up
     to the attention, through the drafter's own modules: the token embedding; the target's
     auxiliary hidden states through the optional norms and ``fc``; both normed and joined; the
     attention's qkv projection and RoPE (``forward_prepare_native``, which SGLang's own layer
-    calls); then the write SGLang's attention backends make before attending. Tensor methods
-    only (:func:`_cat` is ``torch.cat``), so the tests can hand it any tensors.
+    calls). Tensor methods only (:func:`_cat` is ``torch.cat``), so the tests can hand it any
+    tensors.
     """
     inner = model.model
     layer = inner.layers[0]
@@ -389,12 +404,104 @@ def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden:
     attn = layer.self_attn
     _, k, v = attn.forward_prepare_native(positions, joined)
     radix = attn.attn
-    k = k.view(-1, radix.tp_k_head_num, radix.qk_head_dim)
-    v = v.view(-1, radix.tp_v_head_num, radix.v_head_dim)
+    return radix, k.view(-1, radix.tp_k_head_num, radix.qk_head_dim), v.view(-1, radix.tp_v_head_num, radix.v_head_dim)
+
+
+def store_kv(pool: Any, radix: Any, loc: Any, k: Any, v: Any) -> None:
+    """The write SGLang's attention backends make before attending."""
     if radix.k_scale is None:
-        pool.set_kv_buffer(radix, out_cache_loc, k, v)
+        pool.set_kv_buffer(radix, loc, k, v)
     else:  # the backends hand scaled pools clones: the pool may scale in place
-        pool.set_kv_buffer(radix, out_cache_loc, k.clone(), v.clone(), radix.k_scale, radix.v_scale)
+        pool.set_kv_buffer(radix, loc, k.clone(), v.clone(), radix.k_scale, radix.v_scale)
+
+
+def draft_kv_only(model: Any, pool: Any, input_ids: Any, positions: Any, hidden: Any, out_cache_loc: Any) -> None:
+    """Store an EAGLE-3 drafter's keys and values for one extend (:func:`draft_kv`, :func:`store_kv`)."""
+    radix, k, v = draft_kv(model, input_ids, positions, hidden)
+    store_kv(pool, radix, out_cache_loc, k, v)
+
+
+class PendingKV:
+    """Depth-0 steps whose drafter keys and values are owed, stored later in one pass.
+
+    A step's update is two weight-bound GEMMs (the drafter's fc and qkv projection) and a dozen
+    small kernels; owed for up to ``max_steps`` steps, the GEMMs read their weights once for all
+    of them. Each step's inputs are copied here (the target's hidden states live in graph
+    buffers the next step overwrites).
+
+    Invariants (kept by the hooks, not by this class):
+    - everything owed is stored before anything reads or writes the drafter's cache: a draft
+      (depth > 0), a prefill's extend, SGLang's own extend;
+    - the owed steps are written in step order, one write per step, so a slot freed and
+      reallocated while owed ends with its latest owner's keys and values.
+    """
+
+    def __init__(self, max_steps: int, max_rows: int) -> None:
+        self.max_steps, self.max_rows = max_steps, max_rows
+        self.bufs: tuple[Any, Any, Any, Any] | None = None  # ids, positions, hidden, slots
+        self.spans: list[tuple[int, int]] = []  # (first row, rows) of each owed step
+        self.used = 0
+
+    def fits(self, rows: int) -> bool:
+        return self.used + rows <= self.max_rows
+
+    def add(self, ids: Any, positions: Any, hidden: Any, loc: Any) -> None:
+        n = int(ids.shape[0])
+        if self.bufs is None or self.bufs[2].shape[-1] != hidden.shape[-1] or self.bufs[2].dtype != hidden.dtype:
+            rows = self.max_rows
+            self.bufs = (
+                positions.new_empty((rows,)).long(), positions.new_empty((rows,)).long(),
+                hidden.new_empty((rows, hidden.shape[-1])), loc.new_empty((rows,)),
+            )  # fmt: skip
+        at = self.used
+        for buf, src in zip(self.bufs, (ids, positions, hidden, loc)):
+            buf[at : at + n].copy_(src)
+        self.spans.append((at, n))
+        self.used += n
+
+    def full(self) -> bool:
+        return len(self.spans) >= self.max_steps
+
+    def take(self) -> tuple[Any, Any, Any, Any, list[tuple[int, int]]]:
+        """The owed rows and their steps; nothing is owed after."""
+        assert self.bufs is not None
+        u, spans = self.used, self.spans
+        self.spans, self.used = [], 0
+        ids, positions, hidden, loc = (b[:u] for b in self.bufs)
+        return ids, positions, hidden, loc, spans
+
+
+PENDING_MARK = "specdepth_pending_kv"  # a draft worker's PendingKV
+
+
+def flush_kv(worker: Any) -> None:
+    """Store every depth-0 update ``worker`` owes (nothing when none is owed)."""
+    pending: PendingKV | None = getattr(worker, PENDING_MARK, None)
+    if pending is None or not pending.spans:
+        return
+    ids, positions, hidden, loc, spans = pending.take()
+    runner = worker.draft_runner
+    radix, k, v = draft_kv(runner.model, ids, positions, hidden)
+    for start, n in spans:
+        store_kv(runner.token_to_kv_pool, radix, loc[start : start + n], k[start : start + n], v[start : start + n])
+    c = COUNTERS
+    c.kv_flushes += 1
+    c.kv_deferred_steps += len(spans)
+    if c.kv_batch_checked < _CHECK.batches and len(spans) > 1:
+        same, worst = True, 0.0
+        for start, n in spans:
+            _, k1, v1 = draft_kv(runner.model, ids[start : start + n], positions[start : start + n], hidden[start : start + n])
+            for one, many in ((k1, k[start : start + n]), (v1, v[start : start + n])):
+                same = same and bool(one.equal(many))
+                worst = max(worst, float((one.float() - many.float()).abs().max()))
+        c.kv_batch_checked += 1
+        c.kv_batch_identical += int(same)
+        c.kv_batch_max_d = max(c.kv_batch_max_d, worst)
+        if c.kv_batch_checked in (1, _CHECK.batches):
+            logger.info(
+                "spec controller: kv batch check %d passes (%d steps in the last), %d identical to one step at a "
+                "time, max |d| %.3g", c.kv_batch_checked, len(spans), c.kv_batch_identical, c.kv_batch_max_d,
+            )  # fmt: skip
 
 
 def kv_step_inputs(batch: Any, batch_result: Any) -> tuple[Any, Any, Any, Any]:
@@ -403,7 +510,8 @@ def kv_step_inputs(batch: Any, batch_result: Any) -> tuple[Any, Any, Any, Any]:
     One token per request: the token the verify just sampled, at the position the verify wrote
     (spec v2's ``batch.seq_lens`` is the length before this step), into the slot the verify
     assigned, with the target's auxiliary hidden states at that position. Returns
-    ``(input_ids, positions, hidden, out_cache_loc)``, int64 ids and positions as SGLang casts them.
+    ``(input_ids, positions, hidden, out_cache_loc)`` as the step holds them (SGLang casts ids and
+    positions to int64 for the extend; so do the callers).
     """
     ids = batch_result.next_token_ids
     positions = batch.seq_lens
@@ -413,7 +521,7 @@ def kv_step_inputs(batch: Any, batch_result: Any) -> tuple[Any, Any, Any, Any]:
     if not (int(ids.shape[0]) == int(hidden.shape[0]) == int(loc.shape[0]) == bs):
         raise ValueError(f"not one token per request: ids {tuple(ids.shape)}, hidden {tuple(hidden.shape)}, "
                          f"slots {tuple(loc.shape)}, batch {bs}")  # fmt: skip
-    return ids.long(), positions.long(), hidden, loc
+    return ids, positions, hidden, loc
 
 
 def stub_proposal(worker: Any, batch: Any, batch_result: Any) -> None:
@@ -484,7 +592,22 @@ def _check_kv(original: Any, worker: Any, batch: Any, batch_result: Any, loc: An
         )  # fmt: skip
 
 
-_CHECK = SimpleNamespace(steps=0)  # ENV_OFF_DRAFT_CHECK, read at install
+# ENV_OFF_DRAFT_CHECK and ENV_OFF_DRAFT_DEFER, read at install: steps compared with SGLang's
+# extend (each stored at once), then passes of owed steps compared with one step at a time.
+_CHECK = SimpleNamespace(steps=0, batches=0)
+_DEFER = SimpleNamespace(steps=DEFER_STEPS, rows=DEFER_ROWS)
+
+
+def _flush_or_drop(worker: Any) -> None:
+    """:func:`flush_kv`, never raising: on failure the owed steps are dropped (the drafter's
+    cache misses them, as under ``skip``) and ``kv`` is off for that worker."""
+    try:
+        flush_kv(worker)
+    except Exception:
+        COUNTERS.errors += 1
+        setattr(worker, KV_VERDICT_MARK, "storing owed steps failed")
+        setattr(worker, PENDING_MARK, None)
+        _log_once("kv-flush", logging.ERROR, "spec controller: storing owed drafter KV failed; whole extends from now on", exc=True)
 
 
 def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any, *args: Any, **kwargs: Any) -> Any:
@@ -492,10 +615,13 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
 
     In place of SGLang's extend (its preparation, the drafter's forward, the proposal from its
     logits), the step's drafter keys and values are computed from the verify's outputs
-    (:func:`kv_step_inputs`, :func:`draft_kv_only`) and the zeroed proposal of SGLang's skip
-    stub is left (:func:`stub_proposal`). Anything this does not cover (another depth, an idle
-    batch, extra arguments such as 0.5.23's ``kv_loc_plan``, a drafter :func:`kv_verdict`
-    refuses) runs SGLang's extend; a failure runs it too, and ``kv`` is off for that worker.
+    (:func:`kv_step_inputs`, :func:`draft_kv`) and the zeroed proposal of SGLang's skip stub is
+    left (:func:`stub_proposal`). The update is owed (:class:`PendingKV`) and stored with the
+    next ones, every ``ENV_OFF_DRAFT_DEFER`` steps or before anything touches the drafter's
+    cache; the first ``ENV_OFF_DRAFT_CHECK`` steps store at once and are checked. Anything this
+    does not cover (another depth, an idle batch, extra arguments such as 0.5.23's
+    ``kv_loc_plan``, a drafter :func:`kv_verdict` refuses) runs SGLang's extend, after what is
+    owed is stored; a failure runs it too, and ``kv`` is off for that worker.
     """
     if (
         getattr(worker, "speculative_num_steps", None) != 0
@@ -504,22 +630,38 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
         or any(v is not None for v in kwargs.values())
         or kv_verdict(worker)
     ):
+        _flush_or_drop(worker)
         return original(worker, batch, batch_result, *args, **kwargs)
+    checking = COUNTERS.kv_checked < _CHECK.steps
     try:
         ids, positions, hidden, loc = kv_step_inputs(batch, batch_result)
-        runner = worker.draft_runner
-        draft_kv_only(runner.model, runner.token_to_kv_pool, ids, positions, hidden, loc)
+        pending: PendingKV | None = getattr(worker, PENDING_MARK, None)
+        n = int(ids.shape[0])
+        if checking or _DEFER.steps <= 1 or n > _DEFER.rows:
+            flush_kv(worker)
+            runner = worker.draft_runner
+            draft_kv_only(runner.model, runner.token_to_kv_pool, ids.long(), positions.long(), hidden, loc)
+        else:
+            if pending is None:
+                pending = PendingKV(_DEFER.steps, _DEFER.rows)
+                setattr(worker, PENDING_MARK, pending)
+            if not pending.fits(n):
+                flush_kv(worker)
+            pending.add(ids, positions, hidden, loc)
+            if pending.full():
+                flush_kv(worker)
         stub_proposal(worker, batch, batch_result)
     except Exception:
         COUNTERS.errors += 1
         COUNTERS.kv_fallbacks += 1
         setattr(worker, KV_VERDICT_MARK, "the update failed")
+        setattr(worker, PENDING_MARK, None)
         _log_once("kv", logging.ERROR, "spec controller: drafter KV-only update failed; whole extends from now on", exc=True)
         return original(worker, batch, batch_result)
     COUNTERS.kv_steps += 1
     if COUNTERS.kv_steps == 1:
         logger.info("spec controller: depth 0 stores the drafter's keys and values only (bs %d)", len(batch.seq_lens))
-    if COUNTERS.kv_checked < _CHECK.steps:
+    if checking:
         try:
             _check_kv(original, worker, batch, batch_result, loc)
         except Exception:
@@ -527,6 +669,14 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
             _CHECK.steps = 0
             _log_once("kv-check", logging.ERROR, "spec controller: kv check failed; no more checks", exc=True)
     return None
+
+
+def flush_first_hook(original: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND the draft worker's ``draft`` and ``_draft_extend_for_prefill``: the first reads the
+    drafter's cache, the second writes it, so what depth 0 owes is stored before either runs."""
+    if getattr(worker, PENDING_MARK, None) is not None:
+        _flush_or_drop(worker)
+    return original(worker, *args, **kwargs)
 
 
 HOOKS = ((BUILD_STATE, build_state_hook), (PREPARE_VERIFY, prepare_verify_hook))
@@ -546,6 +696,10 @@ def install(register: Any, config: OffConfig) -> None:
         os.environ[SGLANG_SKIP_ENV] = "1"
     if config.draft == "kv":
         _CHECK.steps = int(os.environ.get(ENV_OFF_DRAFT_CHECK, "0") or 0)
+        _CHECK.batches = _CHECK.steps // 6
+        _DEFER.steps = max(1, int(os.environ.get(ENV_OFF_DRAFT_DEFER, str(DEFER_STEPS)) or 1))
         register(DRAFT_EXTEND, draft_extend_hook)
+        register(DRAFT, flush_first_hook)
+        register(DRAFT_PREFILL, flush_first_hook)
     for target, fn in HOOKS:
         register(target, fn)

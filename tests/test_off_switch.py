@@ -492,11 +492,13 @@ class SGLangExtend:
 
 @pytest.fixture
 def spec(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """SGLang's runtime spec config as a server without rejection sampling has it."""
+    """SGLang's runtime spec config as a server without rejection sampling has it; each step's
+    drafter update stored at once (``defer`` below owes them)."""
     from sglang.srt import runtime_context
 
     cfg = SimpleNamespace(speculative_use_rejection_sampling=False)
     monkeypatch.setattr(runtime_context, "get_spec", lambda: cfg)
+    monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=1, rows=off_switch.DEFER_ROWS))
     return cfg
 
 
@@ -607,3 +609,159 @@ def test_the_kv_check_compares_with_sglangs_whole_extend(
     assert (c.kv_steps, c.kv_checked, c.kv_identical) == (3, 2, identical)
     assert c.kv_max_dk == pytest.approx(shift) if not elsewhere else c.kv_max_dk > 0
     assert sglang.calls == 2  # the third step is not checked
+
+
+@pytest.fixture
+def defer(spec: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Updates owed for up to 3 steps or 12 rows, fresh counters."""
+    monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=3, rows=12))
+    monkeypatch.setattr(off_switch, "COUNTERS", off_switch.OffCounters())
+    return off_switch._DEFER
+
+
+def steps_of(n: int, seed: int = 0) -> list[tuple[Any, Any]]:
+    """``n`` depth-0 steps of 3 requests moving forward one position a step, new slots each."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([4, 9, 2]) + i,
+                                out_cache_loc=torch.tensor([10, 30, 50]) + i)  # fmt: skip
+        result = SimpleNamespace(
+            next_token_ids=torch.randint(0, 300, (3,), generator=gen, dtype=torch.int32),
+            logits_output=SimpleNamespace(hidden_states=torch.randn(3, 192, generator=gen)),
+            next_draft_input=SimpleNamespace(topk_p=None, topk_index=None, hidden_states=None),
+        )
+        out.append((batch, result))
+    return out
+
+
+def stored_at_once(model: Any, steps: list[tuple[Any, Any]]) -> Any:
+    """The drafter cache after storing each step's update at once, in order."""
+    import torch
+
+    pool = pool_for(model)
+    with torch.inference_mode():
+        for batch, result in steps:
+            ids, positions, hidden, loc = off_switch.kv_step_inputs(batch, result)
+            off_switch.draft_kv_only(model, pool, ids.long(), positions.long(), hidden, loc)
+    return pool
+
+
+def test_depth_0_updates_are_owed_then_stored_in_one_pass(eagle3: Any, defer: Any) -> None:
+    import torch
+
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+    steps = steps_of(4)
+    sglang = SGLangExtend()
+    with torch.inference_mode():
+        for batch, result in steps[:2]:
+            assert off_switch.draft_extend_hook(sglang, worker, batch, result) is None
+            assert result.next_draft_input.topk_index is not None  # the stub is left every step
+        assert not pool.get_kv_buffer(layer_id)[0].any()  # owed, nothing stored yet
+        off_switch.draft_extend_hook(sglang, worker, *steps[2])  # the third step fills the 3 allowed
+    ref = stored_at_once(model, steps[:3])
+    for got, want in zip(pool.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # GEMMs of other shapes may round apart
+    c = off_switch.COUNTERS
+    assert (c.kv_steps, c.kv_flushes, c.kv_deferred_steps, sglang.calls) == (3, 1, 3, 0)
+
+    # 3 + 10 rows would not fit the 12 allowed: what is owed is stored first
+    with torch.inference_mode():
+        off_switch.draft_extend_hook(sglang, worker, *steps[3])  # 3 rows owed
+        big = steps_of(1, seed=5)[0]
+        big[0].seq_lens, big[0].out_cache_loc = torch.arange(10) + 100, torch.arange(10) + 200
+        big[1].next_token_ids, big[1].logits_output.hidden_states = torch.arange(10), torch.randn(10, 192)
+        off_switch.draft_extend_hook(sglang, worker, *big)
+    assert c.kv_flushes == 2 and getattr(worker, off_switch.PENDING_MARK).used == 10
+
+
+def test_owed_updates_are_stored_before_the_drafter_cache_is_used(eagle3: Any, defer: Any) -> None:
+    """A draft reads the drafter's cache and a prefill's extend writes it: what depth 0 owes goes
+    first. SGLang's own extend (any depth but 0) likewise."""
+    import torch
+
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+    for use in ("draft", "prefill", "extend"):
+        steps = steps_of(2, seed=len(use))
+        with torch.inference_mode():
+            for batch, result in steps:
+                off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
+        seen: list[bool] = []
+
+        def sglang(w: Any, *a: Any, **kw: Any) -> str:
+            seen.append(bool(pool.get_kv_buffer(layer_id)[0][steps[1][0].out_cache_loc].any()))
+            return use
+
+        with torch.inference_mode():
+            if use == "extend":
+                worker.speculative_num_steps = 3
+                assert off_switch.draft_extend_hook(sglang, worker, *steps_of(1)[0]) == use
+                worker.speculative_num_steps = 0
+            else:
+                assert off_switch.flush_first_hook(sglang, worker, "batch", "more", key="word") == use
+        assert seen == [True], use
+        assert getattr(worker, off_switch.PENDING_MARK).used == 0
+        pool.get_kv_buffer(layer_id)[0].zero_()
+
+
+def test_a_slot_reused_while_owed_ends_with_its_latest_owner(eagle3: Any, defer: Any) -> None:
+    """A request finishes, its slot is freed and handed to another request's next token while
+    both updates are owed: the later one must win, as it would with each stored at once."""
+    import torch
+
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    steps = steps_of(3, seed=3)
+    steps[2][0].out_cache_loc = steps[0][0].out_cache_loc.clone()  # step 3 reuses step 1's slots
+    with torch.inference_mode():
+        for batch, result in steps:
+            off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+    ref = stored_at_once(model, steps)
+    for got, want in zip(pool.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # GEMMs of other shapes may round apart
+
+
+def test_a_failing_pass_drops_what_is_owed_and_turns_kv_off(eagle3: Any, defer: Any) -> None:
+    import torch
+
+    model = eagle3()
+
+    class BrokenPool:  # stores nothing: SGLang changed under the hook
+        def set_kv_buffer(self, *a: Any, **kw: Any) -> None:
+            raise RuntimeError("SGLang changed")
+
+    BrokenPool.__name__ = "MHATokenToKVPool"
+    worker = draft_worker(model, BrokenPool(), steps=0)
+    with torch.inference_mode():
+        for batch, result in steps_of(2):
+            off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
+        assert off_switch.flush_first_hook(lambda w, *a: "drafted", worker, "batch") == "drafted"
+    assert getattr(worker, off_switch.PENDING_MARK) is None
+    assert getattr(worker, off_switch.KV_VERDICT_MARK) == "storing owed steps failed"
+    assert off_switch.COUNTERS.errors == 1
+    sglang = SGLangExtend()
+    assert off_switch.draft_extend_hook(sglang, worker, *steps_of(1)[0]) == "whole extend"  # kv off
+
+
+def test_the_batch_check_compares_one_pass_with_one_step_at_a_time(eagle3: Any, defer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=1))
+    model = eagle3()
+    worker = draft_worker(model, pool_for(model), steps=0)
+    with torch.inference_mode():
+        for batch, result in steps_of(6):
+            off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
+    c = off_switch.COUNTERS
+    assert (c.kv_flushes, c.kv_batch_checked) == (2, 1)  # 3 steps a pass; the second is not checked
+    assert c.kv_batch_max_d < 1e-5 and c.kv_batch_identical in (0, 1)

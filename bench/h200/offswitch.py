@@ -159,7 +159,7 @@ def facts(server: Server) -> dict[str, Any]:
     return {
         "kv": grab(r"KV Cache is allocated|max_total_num_tokens|Post-capture KV|Memory pool end"),
         "graphs": grab(r"Capture (cuda|draft|CUDA).*end|Built adaptive runtime state", 12),
-        "off_switch": grab(r"spec controller", 12),
+        "off_switch": grab(r"spec controller", 20),
         "errors": grab(r"Traceback|Error|error", 12),
         "switches": len(grab(r"Switch adaptive runtime state", 10_000)),
         "sglang_rule_lines": len(grab(r"Adaptive spec params updated", 10_000)),
