@@ -682,6 +682,16 @@ def flush_first_hook(original: Any, worker: Any, *args: Any, **kwargs: Any) -> A
 HOOKS = ((BUILD_STATE, build_state_hook), (PREPARE_VERIFY, prepare_verify_hook))
 
 
+def _env_int(name: str, default: int) -> int:
+    """A whole number from the environment; anything else is logged and ``default`` used."""
+    text = os.environ.get(name, "").strip()
+    try:
+        return int(text) if text else default
+    except ValueError:
+        logger.warning("spec controller: %s=%r is not a whole number; using %d", name, text, default)
+        return default
+
+
 def install(register: Any, config: OffConfig) -> None:
     """Register the off switch's hooks through ``register(target, fn)`` (SGLang's AROUND hooks).
 
@@ -695,9 +705,9 @@ def install(register: Any, config: OffConfig) -> None:
     if config.draft == "skip":
         os.environ[SGLANG_SKIP_ENV] = "1"
     if config.draft == "kv":
-        _CHECK.steps = int(os.environ.get(ENV_OFF_DRAFT_CHECK, "0") or 0)
+        _CHECK.steps = _env_int(ENV_OFF_DRAFT_CHECK, 0)
         _CHECK.batches = _CHECK.steps // 6
-        _DEFER.steps = max(1, int(os.environ.get(ENV_OFF_DRAFT_DEFER, str(DEFER_STEPS)) or 1))
+        _DEFER.steps = max(1, _env_int(ENV_OFF_DRAFT_DEFER, DEFER_STEPS))
         register(DRAFT_EXTEND, draft_extend_hook)
         register(DRAFT, flush_first_hook)
         register(DRAFT_PREFILL, flush_first_hook)

@@ -765,3 +765,23 @@ def test_the_batch_check_compares_one_pass_with_one_step_at_a_time(eagle3: Any, 
     c = off_switch.COUNTERS
     assert (c.kv_flushes, c.kv_batch_checked) == (2, 1)  # 3 steps a pass; the second is not checked
     assert c.kv_batch_max_d < 1e-5 and c.kv_batch_identical in (0, 1)
+
+
+def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0))
+    monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=off_switch.DEFER_STEPS, rows=off_switch.DEFER_ROWS))
+    registered: list[str] = []
+    monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "60")
+    monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_DEFER, "0")  # 0 and 1: every step stores its own
+    off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig())
+    assert (off_switch._CHECK.steps, off_switch._CHECK.batches, off_switch._DEFER.steps) == (60, 10, 1)
+    assert {off_switch.DRAFT_EXTEND, off_switch.DRAFT, off_switch.DRAFT_PREFILL} <= set(registered)
+    monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "lots")
+    monkeypatch.delenv(off_switch.ENV_OFF_DRAFT_DEFER)
+    with caplog.at_level(logging.WARNING, logger="sglang_hook"):
+        off_switch.install(lambda target, fn: None, off_switch.OffConfig())
+    assert off_switch._CHECK.steps == 0 and off_switch._DEFER.steps == off_switch.DEFER_STEPS
+    assert "is not a whole number" in caplog.text
+    registered.clear()
+    off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig(draft="keep"))
+    assert off_switch.DRAFT not in registered and off_switch.DRAFT_PREFILL not in registered

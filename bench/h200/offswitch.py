@@ -94,6 +94,13 @@ KINDS = {
         ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
         env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"),),
     ),
+    # kv with each depth-0 step's drafter update stored at once (the default owes up to 16)
+    "off-lean": Kind(
+        "static:0-lean",
+        True,
+        ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
+        env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"), ("SPECDEPTH_OFF_DRAFT_DEFER", "1")),
+    ),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
