@@ -50,7 +50,7 @@ plain PyTorch passes, the seed deployment) leaves every step as before, bit for 
 ``off_extend`` of the drafter's one-token extend, one of :data:`OFF_EXTEND` by what the drafter
 does at depth 0 (``--spec-off-draft``): 1 ``keep`` (the whole extend; measured 0.87-0.97x a
 plain server on the H200), 0 ``skip`` (0.95-1.00x), and for ``kv`` (keys and values only, the
-default) the share its measured cost has of ``keep``'s, about 0.37 on the H100 (0.94-0.98x);
+default) the share its measured cost has of ``keep``'s, about 0.1 on the H100 (0.93-1.05x);
 ``"verify"`` is SGLang's own depth 0 (a width-1 verify through the extend-attention kernel,
 one real query row per 128-row tile, plus the draft extend: measured 0.72x a plain server at
 C = 1 and 0.40x at C = 64-128; ``v0_fix``/``v0_seq`` carry that kernel's extra cost).
@@ -88,10 +88,11 @@ KNOWN_COMPONENTS = (
 )
 OFF_PATHS = ("plain", "verify")
 # What a depth-0 step pays of the drafter's one-token extend, by ``--spec-off-draft``: kv's
-# share is its measured cost over keep's on the H100 (bench/results/realgpu/h100/offswitch-kv,
-# C = 1-16: kv cost 2.2-2.7% of a plain server's throughput more than skip in one call, keep
-# 4.0-4.5% more than kv in the other, so kv ≈ 2.5 / 6.8 of keep's; two calls, so about).
-OFF_EXTEND = {"keep": 1.0, "kv": 0.37, "skip": 0.0}
+# share is its measured cost over keep's on the H100 (bench/results/realgpu/h100/offswitch-kv).
+# kv owes its updates and stores 16 steps in one pass; side by side with skip (call B, C = 1-64)
+# its time per output token was -1.7% to +1.9% of skip's (mean +0.3%), where keep's cost about
+# 6-7% of a plain server's throughput more than skip; so about a tenth, inside the noise.
+OFF_EXTEND = {"keep": 1.0, "kv": 0.1, "skip": 0.0}
 # Weights of the profile fit's log residuals per component: whole passes (what steps are made
 # of) count fully; the GEMM-only and attention-only decompositions pin the terms apart.
 COMPONENT_WEIGHT = {

@@ -38,10 +38,12 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   hidden states, never on the drafter's earlier outputs, so the drafter's cache stays exact.
   What is not current is its next proposal: SGLang's skip stub (zeros) is left, so the first
   step after drafting resumes loses that one step's drafts. Single-layer EAGLE-3 drafters on a
-  plain MHA KV pool, greedy drafting only; anything else runs ``keep``. Measured on an H100
-  (through SGLang's extend preparation, before this leaner form): 0.94-0.98x a plain server at
-  1-64 requests (keep 0.87-0.94x); 60 of 60 checked steps stored bit for bit what SGLang's
-  extend stores.
+  plain MHA KV pool, greedy drafting only; anything else runs ``keep``. The update is owed and
+  16 steps are stored in one pass (:class:`PendingKV`), always before a draft or a prefill
+  touches the drafter's cache. Measured on an H100 (random target, a drafter that never
+  accepts): 0.969 / 0.979 / 0.976 / 0.936x a plain server at 1 / 4 / 16 / 64 requests in one
+  call and 0.951 / 0.928 / 0.972 / 1.047x in another (spread per repetition 3-15%); storing each
+  step at once ran 2-4% slower side by side; keep 0.87-0.94x.
 - ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: nothing runs, but the
   drafter's KV misses every position decoded while off, for the rest of those requests.
 

@@ -17,7 +17,7 @@ from env.acceptance import AcceptanceParams, accept_length_pmf, fit_acceptance, 
 from env.deployments import load_deployment
 from env.errors import FitError
 from env.fit import fit_sim, predict_profile
-from env.latency import fit_profile, predict_component_ms, profile_mape, read_profile, step_time_us
+from env.latency import OFF_EXTEND, fit_profile, predict_component_ms, profile_mape, read_profile, step_time_us
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "env" / "profiles" / "h200_llama8b" / "latency.csv"  # shipped: no test skips for it
@@ -210,7 +210,6 @@ def test_traces_of_a_kv_server_fit_its_depth_0_steps_as_kv():
     (the target priced for what is left of the step); a bad mode is refused."""
     from env.errors import FitError
     from env.fit import fit_sim
-    from env.latency import OFF_EXTEND
 
     keep, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [])
     kv, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], off_draft="kv")
@@ -273,7 +272,7 @@ def test_the_step_kernel_agrees_with_the_pass_terms_and_over_arrays():
     for name in ("h200-llama8b", "h200-70b", "seed"):
         for off in ("plain", "verify", "kv"):
             base = load_deployment(name).latency
-            lp = replace(base, off_path="plain", off_extend=0.37) if off == "kv" else replace(base, off_path=off)
+            lp = replace(base, off_path="plain", off_extend=OFF_EXTEND["kv"]) if off == "kv" else replace(base, off_path=off)
             ref = np.array(
                 [_composed_step_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)]
             )
