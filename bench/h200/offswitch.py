@@ -194,7 +194,9 @@ class Book:
         args = self.res.data["args"]
         name = workload or "closed"
         if self.qualify:
-            name = f"{name}-{args['input_tokens']}-{args['output_tokens']}-{args['backend']}"
+            out = args["output_tokens"]
+            sigma = args.get("output_sigma", 0.0)
+            name = f"{name}-{args['input_tokens']}-{out}{f'~{sigma:g}' if sigma else ''}-{args['backend']}"
         compared = not workload or not workload.startswith(("switch", "accept", "resume"))
         hashes = [output_hash(r["output_ids"]) for r in m["requests"]]
         if compared:  # the same requests on every policy: greedy outputs compare one by one
@@ -398,7 +400,11 @@ def profile(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     box: dict[str, Any] = {}
-    spec = LoadSpec(c, c, args.input_tokens, 256, seed=4242)
+    spec = (  # drawn lengths: admissions keep coming during the profiled steps
+        LoadSpec(c, 4 * c, args.input_tokens, args.output_tokens, seed=4242, output_sigma=args.output_sigma)
+        if args.output_sigma > 0
+        else LoadSpec(c, c, args.input_tokens, 256, seed=4242)
+    )
     th = threading.Thread(target=lambda: box.update(m=run_load(server.url, spec, timeout_s=120)))
     th.start()
     time.sleep(1.5)
@@ -481,7 +487,12 @@ def main() -> int:
         "--requests-per-conc", type=int, default=2, help="requests per point = this x C (min 6)"
     )
     parser.add_argument("--input-tokens", type=int, default=256)
-    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128, help="per request (the median with --output-sigma)")
+    parser.add_argument(
+        "--output-sigma", type=float, default=0.0,
+        help="> 0 draws each request's output length log-normally (requests then finish at different "
+        "steps and admissions are steady, not waves; the workload name gets ~SIGMA); 0 fixes it",
+    )  # fmt: skip
     parser.add_argument("--target-out-std", type=float, default=0.02)
     parser.add_argument("--mem-fraction", type=float, default=0.8)
     parser.add_argument("--max-total-tokens", type=int, default=65536)
@@ -490,6 +501,7 @@ def main() -> int:
         "--profile-conc", type=lambda s: [int(x) for x in s.split(",")], default=[16],
         help="concurrencies to profile at (comma list); each twice: without Python stacks (timing), then with",
     )  # fmt: skip
+    parser.add_argument("--profile-steps", type=int, default=6, help="decode steps per profile")
     parser.add_argument("--switch", default="", help="server to time static:0, static:3 and alternate:0,3 on")
     parser.add_argument(
         "--no-prefill-graph",
@@ -542,7 +554,8 @@ def main() -> int:
                         res.event("skipped", server=server.spec.label, rep=rep, c=c)
                         continue
                     n = max(6, args.requests_per_conc * c)
-                    spec = LoadSpec(c, n, args.input_tokens, args.output_tokens, seed=1000 * rep + c)
+                    spec = LoadSpec(c, n, args.input_tokens, args.output_tokens, seed=1000 * rep + c,
+                                    output_sigma=args.output_sigma)  # fmt: skip
                     m = run_load(server.url, spec, timeout_s=max(30.0, deadline - time.time() + 60))
                     book.add(server, rep, m)
         if args.switch:
@@ -557,7 +570,7 @@ def main() -> int:
                         key = f"{label}@c{c}" + ("+stack" if with_stack else "")
                         res.data.setdefault("profile", {})[key] = profile(
                             server, c, args, run.RES / f"prof_{key.replace('@', '_').replace('+', '_')}",
-                            with_stack=with_stack,
+                            steps=args.profile_steps, with_stack=with_stack,
                         )  # fmt: skip
                         book.flush()
     finally:
