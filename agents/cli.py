@@ -81,7 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         choices=("kv", "keep", "skip"),
         default=None,
         help="with --traces: what the traced server's drafter did at depth 0 (its --spec-off-draft; "
-        "kv is the hook's default), so the fit reads its depth-0 steps right (default: keep)",
+        "kv is the hook's default), so the fit reads its depth-0 steps right (default: the base deployment's, kv; the committed example traces ran keep)",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train)

@@ -60,7 +60,7 @@ class TrainConfig:
         deployment: bundled deployment name instead of traces.
         sim: a fitted sim.json instead of traces.
         off_draft: with ``traces``, what the traced server's drafter did at depth 0 (its
-            ``--spec-off-draft``: kv, keep or skip); None: the base deployment's (keep).
+            ``--spec-off-draft``: kv, keep or skip); None: the base deployment's (kv).
         depths: allowed depths.
         seed: the one seed everything derives from.
         timesteps: PPO environment steps after the warm start.

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--off-draft",
         choices=("kv", "keep", "skip"),
         help="what the traced server's drafter did at depth 0 (its --spec-off-draft; kv is the hook's "
-        "default since 2026-12-05); default: as the base deployment (keep)",
+        "default); default: as the base deployment (kv; the committed example traces ran keep)",
     )
     p.set_defaults(func=_cmd_fit)
 

@@ -329,7 +329,8 @@ def fit_sim(
             None keeps the base's.
         off_draft: what the traced server's drafter did at depth 0 (``--spec-off-draft``: a
             key of :data:`env.latency.OFF_EXTEND`), so its depth-0 steps are read as the target
-            plus that share of the drafter's extend; None keeps the base's (``keep``).
+            plus that share of the drafter's extend; None keeps the base's (the bundled
+            deployments price ``kv``, the hook's default).
 
     Returns:
         The fitted :class:`SimParams` and a printable :class:`FitReport`.

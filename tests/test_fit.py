@@ -211,7 +211,7 @@ def test_traces_of_a_kv_server_fit_its_depth_0_steps_as_kv():
     from env.errors import FitError
     from env.fit import fit_sim
 
-    keep, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [])
+    keep, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], off_draft="keep")
     kv, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], off_draft="kv")
     assert keep.latency.off_extend == 1.0 and kv.latency.off_extend == OFF_EXTEND["kv"]
     for bs in (1, 16, 64):

@@ -38,7 +38,7 @@ from env.acceptance import (
     harmonic_accept_length,
     mean_accept_length,
 )
-from env.latency import LatencyParams, fit_profile, read_profile, step_time_us
+from env.latency import OFF_EXTEND, LatencyParams, fit_profile, read_profile, step_time_us
 from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
@@ -203,13 +203,16 @@ def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_s
 
 def h200_latency(reference: Path, traces: tuple[Path, ...] = REAL_TRACES) -> LatencyParams:
     """The profile's pass shapes, fitted to the real server (:func:`fit_to_server`); SGLang's own
-    depth 0 (``off_path`` verify) from the off switch's throughput ratios."""
+    depth 0 (``off_path`` verify) from the off switch's throughput ratios; depth 0 priced as the
+    hook's default off switch (``kv``)."""
     df = read_profile(str(reference / "h200_llama8b" / "latency.csv"))
     base = LatencyParams(
         oh_us=300.0, oh_spec_us=1000.0, oh_req_us=2.0, off_path="plain", off_extend=True, jitter=0.01
     )
     lp, _ = fit_profile(df, base)
-    return _verify0_from_ratios(fit_to_server(lp, traces))
+    # Fitted to the server that ran depth 0 with the drafter's extend kept; priced for the
+    # hook's default since, which stores only the drafter's keys and values (kv).
+    return replace(_verify0_from_ratios(fit_to_server(lp, traces)), off_extend=OFF_EXTEND["kv"])
 
 
 def _h200_engine(instance: str, budget: int, running: int = 256) -> EngineParams:
@@ -234,8 +237,9 @@ _H200_NOTES = (
     "env/example_traces/h200-real-{rand,same,noisy} and the off switch's depth-0 TPOT at C = 1/4/16/64/128 "
     "(5.03/5.11/5.59/7.89/11.56 ms, bench/results/realgpu/offswitch call 2, read as the step time at batch C). "
     "The per-cached-token terms stay the profile's (every traced step holds ~320 tokens per sequence); "
-    "verify_seq_us is measured at that context only. Depth 0 = the off switch (off_path plain, the drafter's "
-    "extend kept); v0_fix_us/v0_seq_us (SGLang's own depth 0, off_path verify) solved so that path runs at "
+    "verify_seq_us is measured at that context only. Depth 0 = the off switch (off_path plain), fitted with the "
+    "drafter's extend kept and priced as the hook's default, kv: off_extend 0.1 of that extend "
+    "(env.latency.OFF_EXTEND); v0_fix_us/v0_seq_us (SGLang's own depth 0, off_path verify) solved so that path runs at "
     "0.72/0.71/0.59/0.41/0.40 x a plain server at C = 1/4/16/64/128 (bench/results/realgpu/offswitch, call 1). "
     "Prefill: the profile's terms, not fitted to the server. "
     "KV: 128 KB/token target, the drafter's 4 KB/token and 1.04 GB of weights carried (spec_kv_budget_tokens). "
