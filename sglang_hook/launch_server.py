@@ -252,9 +252,10 @@ hook options (everything else goes to sglang.launch_server unchanged):
                               at 64-128 requests on the H200)
   --spec-off-draft kv|keep|skip
                               what the drafter does at depth 0: kv (default) only stores its
-                              keys and values, so its cache stays exact and the first step
-                              after drafting resumes loses its drafts (0.95-0.98x a plain
-                              server at C=1-64 on an H100, against 0.87-0.94x for keep); keep
+                              keys and values, 16 steps in one pass (SPECDEPTH_OFF_DRAFT_DEFER),
+                              so its cache stays exact and the first step after drafting
+                              resumes loses its drafts (0.93-1.05x a plain server at C=1-128
+                              on an H100, against 0.87-0.94x for keep); keep
                               runs its whole one-token extend; skip runs nothing, and the
                               drafter misses the positions decoded while off
 
