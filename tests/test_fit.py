@@ -17,7 +17,14 @@ from env.acceptance import AcceptanceParams, accept_length_pmf, fit_acceptance, 
 from env.deployments import load_deployment
 from env.errors import FitError
 from env.fit import fit_sim, predict_profile
-from env.latency import OFF_EXTEND, fit_profile, predict_component_ms, profile_mape, read_profile, step_time_us
+from env.latency import (
+    OFF_EXTEND,
+    fit_profile,
+    predict_component_ms,
+    profile_mape,
+    read_profile,
+    step_time_us,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "env" / "profiles" / "h200_llama8b" / "latency.csv"  # shipped: no test skips for it

@@ -696,8 +696,9 @@ def test_owed_updates_are_stored_before_the_drafter_cache_is_used(eagle3: Any, d
                 off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
         seen: list[bool] = []
 
-        def sglang(w: Any, *a: Any, **kw: Any) -> str:
-            seen.append(bool(pool.get_kv_buffer(layer_id)[0][steps[1][0].out_cache_loc].any()))
+        def sglang(w: Any, *a: Any, seen: list[bool] = seen, loc: Any = steps[1][0].out_cache_loc,
+                   use: str = use, **kw: Any) -> str:  # fmt: skip
+            seen.append(bool(pool.get_kv_buffer(layer_id)[0][loc].any()))
             return use
 
         with torch.inference_mode():
