@@ -204,6 +204,18 @@ CONTRACT: tuple[Target, ...] = (
     Target("sglang.srt.speculative.eagle_info.EagleDraftInput.topk_index", kind="field"),
     Target("sglang.srt.speculative.eagle_info.EagleDraftInput.hidden_states", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.out_cache_loc", kind="field"),
+    # SPECDEPTH_OFF_PREFILL=kv: a depth-0 prefill's drafter extend, keys and values only
+    Target(
+        "sglang.srt.speculative.eagle_utils._eagle_prefill_tail_tokens",
+        ("batch", "next_token_ids"),
+        why="off switch kv prefill: each request's tail token, chunked prefill included",
+    ),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.extend_lens", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.prefix_lens", kind="field"),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.input_ids", kind="field"),
+    Target("sglang.srt.speculative.eagle_info.EagleDraftInput.bonus_tokens", kind="field"),
+    Target("sglang.srt.speculative.eagle_info.EagleDraftInput.num_tokens_per_req", kind="field"),
+    Target("sglang.srt.speculative.eagle_info.EagleDraftExtendInput.hidden_states", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.seq_lens", kind="field"),
     Target(
         "sglang.srt.models.llama.LlamaAttention.forward_prepare_native",

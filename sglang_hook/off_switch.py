@@ -44,6 +44,10 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   accepts): 0.969 / 0.979 / 0.976 / 0.936x a plain server at 1 / 4 / 16 / 64 requests in one
   call and 0.951 / 0.928 / 0.972 / 1.047x in another (spread per repetition 3-15%); storing each
   step at once ran 2-4% slower side by side; keep 0.87-0.94x.
+  With ``SPECDEPTH_OFF_PREFILL=kv`` (experimental, off by default) a depth-0 prefill's drafter
+  extend also stores keys and values only (:func:`draft_prefill_hook`): a prefill costs the
+  speculative server 6-7 ms more than a plain server at one request on an H100, and with drawn
+  output lengths, where admissions are steady, depth 0 ran at 0.89-0.92x plain.
 - ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: nothing runs, but the
   drafter's KV misses every position decoded while off, for the rest of those requests.
 
@@ -84,6 +88,9 @@ ENV_OFF_DRAFT_CHECK = "SPECDEPTH_OFF_DRAFT_CHECK"
 ENV_OFF_DRAFT_DEFER = "SPECDEPTH_OFF_DRAFT_DEFER"
 DEFER_STEPS = 16
 DEFER_ROWS = 1024
+# Under ``kv``, "kv" makes a depth-0 prefill's drafter extend store keys and values only too
+# (experimental, off by default: not yet measured on a GPU); anything else keeps SGLang's.
+ENV_OFF_PREFILL = "SPECDEPTH_OFF_PREFILL"
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
 BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
@@ -124,6 +131,10 @@ class OffCounters:
     kv_batch_checked: int = 0
     kv_batch_identical: int = 0
     kv_batch_max_d: float = 0.0
+    kv_prefills: int = 0  # ENV_OFF_PREFILL: depth-0 prefills whose drafter extend stored keys and values only
+    kv_prefill_checked: int = 0  # ... compared with SGLang's extend of the same prefill
+    kv_prefill_identical: int = 0
+    kv_prefill_max_d: float = 0.0
 
 
 COUNTERS = OffCounters()
@@ -594,10 +605,58 @@ def _check_kv(original: Any, worker: Any, batch: Any, batch_result: Any, loc: An
         )  # fmt: skip
 
 
+def prefill_inputs(batch: Any, hidden: Any, next_token_ids: Any) -> tuple[Any, Any, Any, Any]:
+    """A prefill's drafter-extend inputs, as SGLang's ``_draft_extend_for_prefill`` makes them.
+
+    Each request's prompt tokens shifted left by one, its last position taking SGLang's own
+    tail token (the sampled token, or the next prompt token of a chunk that is not the last:
+    ``_eagle_prefill_tail_tokens``); positions from each request's cached prefix on; the slots
+    the target's prefill wrote; the target's aux hidden states of every token. Tensor methods
+    only; the per-request lengths go to the device once. Returns ``(ids, positions, hidden,
+    slots)``; raises ``ValueError`` for a batch of another shape.
+    """
+    from sglang.srt.speculative.eagle_utils import _eagle_prefill_tail_tokens
+
+    lens_list, prefix_list = batch.extend_lens, batch.prefix_lens
+    if not isinstance(lens_list, (list, tuple)) or not isinstance(prefix_list, (list, tuple)):
+        raise ValueError("extend lengths not on the host")
+    n = int(sum(lens_list))
+    ids, loc = batch.input_ids, batch.out_cache_loc
+    if not lens_list or min(lens_list) < 1 or not (int(ids.shape[0]) == int(hidden.shape[0]) == int(loc.shape[0]) == n):
+        raise ValueError(f"extend of {n} tokens: ids {tuple(ids.shape)}, hidden {tuple(hidden.shape)}, slots {tuple(loc.shape)}")
+    tail = _eagle_prefill_tail_tokens(batch, next_token_ids)
+    lens = batch.seq_lens.new_tensor(list(lens_list))
+    prefix = batch.seq_lens.new_tensor(list(prefix_list))
+    ends = lens.cumsum(0)
+    shifted = ids.new_empty(ids.shape)
+    shifted[:-1] = ids[1:]
+    shifted[ends - 1] = tail.to(ids.dtype)
+    positions = (lens.new_ones(n).cumsum(0) - 1) + (prefix - (ends - lens)).repeat_interleave(lens, output_size=n)
+    return shifted, positions, hidden, loc
+
+
+def prefill_stub(worker: Any, batch: Any, next_token_ids: Any) -> Any:
+    """The ``EagleDraftInput`` a prefill's extend returns, with SGLang's zeroed proposal
+    (:func:`stub_proposal`) in place of the drafter's: the next step drafts nothing at depth 0,
+    and the first draft after a resume is rejected (one step lost)."""
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    nxt = SimpleNamespace(topk_p=None, topk_index=None, hidden_states=None)
+    stub_proposal(worker, batch, SimpleNamespace(next_draft_input=nxt))
+    return EagleDraftInput(
+        topk_p=nxt.topk_p, topk_index=nxt.topk_index, hidden_states=nxt.hidden_states,
+        bonus_tokens=next_token_ids, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1,
+    )  # fmt: skip
+
+
+PREFILL_OFF_MARK = "specdepth_kv_prefill_failed"  # set on a draft worker whose KV-only prefill failed
+
+
 # ENV_OFF_DRAFT_CHECK and ENV_OFF_DRAFT_DEFER, read at install: steps compared with SGLang's
 # extend (each stored at once), then passes of owed steps compared with one step at a time.
-_CHECK = SimpleNamespace(steps=0, batches=0)
+_CHECK = SimpleNamespace(steps=0, batches=0, prefills=0)
 _DEFER = SimpleNamespace(steps=DEFER_STEPS, rows=DEFER_ROWS)
+_PREFILL = SimpleNamespace(kv=False)  # ENV_OFF_PREFILL == "kv", read at install
 
 
 def _flush_or_drop(worker: Any) -> None:
@@ -674,11 +733,82 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
 
 
 def flush_first_hook(original: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND the draft worker's ``draft`` and ``_draft_extend_for_prefill``: the first reads the
-    drafter's cache, the second writes it, so what depth 0 owes is stored before either runs."""
+    """AROUND the draft worker's ``draft``: it reads the drafter's cache, so what depth 0 owes
+    is stored first."""
     if getattr(worker, PENDING_MARK, None) is not None:
         _flush_or_drop(worker)
     return original(worker, *args, **kwargs)
+
+
+def draft_prefill_hook(
+    original: Any, worker: Any, batch: Any, hidden: Any, next_token_ids: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``EagleDraftWorker._draft_extend_for_prefill``: what depth 0 owes is stored first
+    (the prefill writes the drafter's cache); then, with ``ENV_OFF_PREFILL=kv`` at depth 0, the
+    prefill's drafter extend stores keys and values only (:func:`prefill_inputs`,
+    :func:`draft_kv`) and returns SGLang's zeroed proposal (:func:`prefill_stub`), leaving the
+    batch as SGLang's extend leaves it. Anything else, and any failure, runs SGLang's extend."""
+    if getattr(worker, PENDING_MARK, None) is not None:
+        _flush_or_drop(worker)
+    if (
+        not _PREFILL.kv
+        or getattr(worker, "speculative_num_steps", None) != 0
+        or batch.forward_mode.is_idle()
+        or args
+        or any(v is not None for v in kwargs.values())
+        or getattr(worker, PREFILL_OFF_MARK, False)
+        or kv_verdict(worker)
+    ):
+        return original(worker, batch, hidden, next_token_ids, *args, **kwargs)
+    checking = COUNTERS.kv_prefill_checked < _CHECK.prefills
+    try:
+        ids, positions, hidden_in, loc = prefill_inputs(batch, hidden, next_token_ids)
+        runner = worker.draft_runner
+        radix, k, v = draft_kv(runner.model, ids.long(), positions, hidden_in)
+        store_kv(runner.token_to_kv_pool, radix, loc, k, v)
+        out = prefill_stub(worker, batch, next_token_ids)
+    except Exception:
+        COUNTERS.errors += 1
+        setattr(worker, PREFILL_OFF_MARK, True)
+        _log_once("kv-prefill", logging.ERROR, "spec controller: KV-only prefill failed; SGLang's from now on", exc=True)
+        return original(worker, batch, hidden, next_token_ids)
+    COUNTERS.kv_prefills += 1
+    if checking:  # SGLang's extend of the same prefill over the cleared slots; its result is kept
+        try:
+            return _check_prefill(original, worker, batch, hidden, next_token_ids, loc)
+        except Exception:
+            COUNTERS.errors += 1
+            _CHECK.prefills = 0
+            _log_once("kv-prefill-check", logging.ERROR, "spec controller: kv prefill check failed; no more", exc=True)
+            return original(worker, batch, hidden, next_token_ids)
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+
+    batch.input_ids = ids  # as SGLang's extend leaves the batch
+    batch.spec_info = EagleDraftExtendInput(hidden_states=hidden, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
+    return out
+
+
+def _check_prefill(original: Any, worker: Any, batch: Any, hidden: Any, next_token_ids: Any, loc: Any) -> Any:
+    """``ENV_OFF_DRAFT_CHECK`` for ``ENV_OFF_PREFILL``: the stored keys and values against what
+    SGLang's extend of the same prefill stores in the same slots (cleared first)."""
+    runner = worker.draft_runner
+    radix = runner.model.model.layers[0].self_attn.attn
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(radix.layer_id)
+    ours_k, ours_v = k_buf[loc].float(), v_buf[loc].float()
+    k_buf[loc] = 0
+    v_buf[loc] = 0
+    out = original(worker, batch, hidden, next_token_ids)
+    theirs_k, theirs_v = k_buf[loc].float(), v_buf[loc].float()
+    c = COUNTERS
+    c.kv_prefill_checked += 1
+    c.kv_prefill_identical += int(bool(ours_k.equal(theirs_k)) and bool(ours_v.equal(theirs_v)))
+    c.kv_prefill_max_d = max(c.kv_prefill_max_d, float((ours_k - theirs_k).abs().max()), float((ours_v - theirs_v).abs().max()))
+    if c.kv_prefill_checked in (1, _CHECK.prefills):
+        logger.info(
+            "spec controller: kv prefill check %d prefills (%d tokens in the last), %d identical, max |d| %.3g",
+            c.kv_prefill_checked, int(loc.shape[0]), c.kv_prefill_identical, c.kv_prefill_max_d,
+        )  # fmt: skip
+    return out
 
 
 HOOKS = ((BUILD_STATE, build_state_hook), (PREPARE_VERIFY, prepare_verify_hook))
@@ -708,10 +838,11 @@ def install(register: Any, config: OffConfig) -> None:
         os.environ[SGLANG_SKIP_ENV] = "1"
     if config.draft == "kv":
         _CHECK.steps = _env_int(ENV_OFF_DRAFT_CHECK, 0)
-        _CHECK.batches = _CHECK.steps // 6
+        _CHECK.batches = _CHECK.prefills = _CHECK.steps // 6
         _DEFER.steps = max(1, _env_int(ENV_OFF_DRAFT_DEFER, DEFER_STEPS))
+        _PREFILL.kv = os.environ.get(ENV_OFF_PREFILL, "").strip() == "kv"
         register(DRAFT_EXTEND, draft_extend_hook)
         register(DRAFT, flush_first_hook)
-        register(DRAFT_PREFILL, flush_first_hook)
+        register(DRAFT_PREFILL, draft_prefill_hook)
     for target, fn in HOOKS:
         register(target, fn)

@@ -769,20 +769,149 @@ def test_the_batch_check_compares_one_pass_with_one_step_at_a_time(eagle3: Any, 
 
 
 def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
-    monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0))
+    monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0, prefills=0))
     monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=off_switch.DEFER_STEPS, rows=off_switch.DEFER_ROWS))
+    monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=False))
     registered: list[str] = []
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "60")
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_DEFER, "0")  # 0 and 1: every step stores its own
+    monkeypatch.setenv(off_switch.ENV_OFF_PREFILL, "kv")
     off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig())
     assert (off_switch._CHECK.steps, off_switch._CHECK.batches, off_switch._DEFER.steps) == (60, 10, 1)
+    assert off_switch._CHECK.prefills == 10 and off_switch._PREFILL.kv
+    monkeypatch.delenv(off_switch.ENV_OFF_PREFILL)
     assert {off_switch.DRAFT_EXTEND, off_switch.DRAFT, off_switch.DRAFT_PREFILL} <= set(registered)
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "lots")
     monkeypatch.delenv(off_switch.ENV_OFF_DRAFT_DEFER)
     with caplog.at_level(logging.WARNING, logger="sglang_hook"):
         off_switch.install(lambda target, fn: None, off_switch.OffConfig())
     assert off_switch._CHECK.steps == 0 and off_switch._DEFER.steps == off_switch.DEFER_STEPS
+    assert not off_switch._PREFILL.kv  # SGLang's prefill extend unless asked for
     assert "is not a whole number" in caplog.text
     registered.clear()
     off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig(draft="keep"))
     assert off_switch.DRAFT not in registered and off_switch.DRAFT_PREFILL not in registered
+
+
+# --- ``SPECDEPTH_OFF_PREFILL=kv``: a depth-0 prefill's drafter extend, keys and values only ---
+
+
+def prefill_batch(chunked: bool = False) -> tuple[Any, Any, Any]:
+    """Three requests' prefill (prompt chunks of 4, 1 and 3 tokens after cached prefixes of 0, 7
+    and 2), the target's aux hidden states of every token and the tokens it sampled."""
+    import torch
+
+    reqs = [SimpleNamespace(rid=i) for i in range(3)]
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, extend_lens=[4, 1, 3], prefix_lens=[0, 7, 2],
+        input_ids=torch.tensor([11, 12, 13, 14, 21, 31, 32, 33]), out_cache_loc=torch.arange(8) + 40,
+        seq_lens=torch.tensor([4, 8, 5]), reqs=reqs, chunked_req=reqs[2] if chunked else None,
+        chunked_req_next_prompt_token=34 if chunked else None, spec_info="target prefill",
+    )  # fmt: skip
+    return batch, torch.randn(8, 192, generator=torch.Generator().manual_seed(9)), torch.tensor([15, 22, 99])
+
+
+def sglang_prefill_inputs(batch: Any, next_token_ids: Any) -> tuple[Any, Any]:
+    """SGLang 0.5.23's own loop in ``_draft_extend_for_prefill`` (ids), and the positions its
+    extend forward batch gives each token (its cached prefix on)."""
+    import torch
+    from sglang.srt.speculative.eagle_utils import _eagle_prefill_tail_tokens
+
+    tail = _eagle_prefill_tail_tokens(batch, next_token_ids)
+    ids, positions, pt = torch.empty_like(batch.input_ids), [], 0
+    for i, n in enumerate(batch.extend_lens):
+        ids[pt : pt + n].copy_(torch.cat((batch.input_ids[pt : pt + n][1:], tail[i].reshape(1))))
+        positions += range(batch.prefix_lens[i], batch.prefix_lens[i] + n)
+        pt += n
+    return ids, torch.tensor(positions)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["last-chunks", "a-chunk-continues"])
+def test_prefill_inputs_are_sglangs(chunked: bool) -> None:
+    batch, hidden, sampled = prefill_batch(chunked)
+    ids, positions, got_hidden, loc = off_switch.prefill_inputs(batch, hidden, sampled)
+    want_ids, want_positions = sglang_prefill_inputs(batch, sampled)
+    assert ids.tolist() == want_ids.tolist() and positions.tolist() == want_positions.tolist()
+    assert ids.tolist()[-1] == (34 if chunked else 99) and got_hidden is hidden and loc is batch.out_cache_loc
+    batch.extend_lens = [4, 1, 2]  # lengths that do not cover the tokens: not guessed at
+    with pytest.raises(ValueError):
+        off_switch.prefill_inputs(batch, hidden, sampled)
+
+
+@pytest.fixture
+def kv_prefill(spec: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
+    monkeypatch.setattr(off_switch, "COUNTERS", off_switch.OffCounters())
+    return off_switch._PREFILL
+
+
+def test_a_depth_0_prefill_stores_kv_only_and_leaves_sglangs_batch(eagle3: Any, kv_prefill: Any) -> None:
+    import torch
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    batch, hidden, sampled = prefill_batch()
+    want_ids, want_positions = sglang_prefill_inputs(batch, sampled)
+    calls: list[str] = []
+    with torch.inference_mode():
+        out = off_switch.draft_prefill_hook(lambda *a, **k: calls.append("sglang"), worker, batch, hidden, sampled)
+    assert calls == [] and off_switch.COUNTERS.kv_prefills == 1
+    ref = pool_for(model)
+    with torch.inference_mode():
+        off_switch.draft_kv_only(model, ref, want_ids, want_positions, hidden, torch.arange(8) + 40)
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+    for got, want in zip(pool.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert out.topk_p.shape == (3, 1) and not out.topk_p.any() and not out.topk_index.any()
+    assert out.hidden_states.shape == (3, 64) and out.bonus_tokens is sampled and out.num_tokens_per_req == 1
+    assert batch.input_ids.tolist() == want_ids.tolist() and isinstance(batch.spec_info, EagleDraftExtendInput)
+
+    worker.speculative_num_steps = 3  # drafting: the proposal is needed, SGLang's extend runs
+    assert off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch()) == "sglang"
+    kv_prefill.kv = False  # not asked for: SGLang's
+    worker.speculative_num_steps = 0
+    assert off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch()) == "sglang"
+
+
+def test_a_failing_kv_prefill_runs_sglangs_from_then_on(eagle3: Any, kv_prefill: Any) -> None:
+    import torch
+
+    class BrokenPool:
+        def set_kv_buffer(self, *a: Any, **kw: Any) -> None:
+            raise RuntimeError("SGLang changed")
+
+    BrokenPool.__name__ = "MHATokenToKVPool"
+    worker = draft_worker(eagle3(), BrokenPool(), steps=0)
+    batch, hidden, sampled = prefill_batch()
+    seen: list[Any] = []
+    with torch.inference_mode():
+        out = off_switch.draft_prefill_hook(lambda w, b, *a: seen.append(b.input_ids.tolist()) or "sglang", worker, batch, hidden, sampled)
+    assert out == "sglang" and seen == [[11, 12, 13, 14, 21, 31, 32, 33]]  # SGLang rotates the ids itself
+    assert getattr(worker, off_switch.PREFILL_OFF_MARK) and off_switch.COUNTERS.errors == 1
+    assert off_switch.draft_prefill_hook(lambda *a, **k: "again", worker, *prefill_batch()) == "again"
+
+
+@pytest.mark.parametrize(("shift", "identical"), [(0.0, 1), (0.25, 0)], ids=["same", "shifted"])
+def test_the_kv_prefill_check_compares_with_sglangs_extend(eagle3: Any, kv_prefill: Any, monkeypatch: pytest.MonkeyPatch, shift: float, identical: int) -> None:
+    import torch
+
+    monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0, prefills=1))
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+
+    def sglang(w: Any, batch: Any, hidden: Any, sampled: Any) -> str:  # its extend, maybe off by `shift`
+        ids, positions = sglang_prefill_inputs(batch, sampled)
+        off_switch.draft_kv_only(model, pool, ids, positions, hidden, batch.out_cache_loc)
+        pool.get_kv_buffer(layer_id)[0][batch.out_cache_loc] += shift
+        return "sglang's proposal"
+
+    with torch.inference_mode():
+        assert off_switch.draft_prefill_hook(sglang, worker, *prefill_batch()) == "sglang's proposal"
+        assert off_switch.draft_prefill_hook(sglang, worker, *prefill_batch()) != "sglang's proposal"  # checked once
+    c = off_switch.COUNTERS
+    assert (c.kv_prefills, c.kv_prefill_checked, c.kv_prefill_identical) == (2, 1, identical)
+    assert c.kv_prefill_max_d == pytest.approx(shift)

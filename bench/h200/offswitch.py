@@ -101,6 +101,13 @@ KINDS = {
         ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
         env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"), ("SPECDEPTH_OFF_DRAFT_DEFER", "1")),
     ),
+    # kv, and a depth-0 prefill's drafter extend keys and values only too (experimental)
+    "off-pkv": Kind(
+        "static:0-pkv",
+        True,
+        ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
+        env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"), ("SPECDEPTH_OFF_PREFILL", "kv")),
+    ),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
