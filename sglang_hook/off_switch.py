@@ -461,6 +461,8 @@ class PendingKV:
     def add(self, ids: Any, positions: Any, hidden: Any, loc: Any) -> None:
         n = int(ids.shape[0])
         if self.bufs is None or self.bufs[2].shape[-1] != hidden.shape[-1] or self.bufs[2].dtype != hidden.dtype:
+            if self.used:  # the hook stores what is owed, then runs SGLang's extend
+                raise ValueError("hidden states of another shape while updates are owed")
             rows = self.max_rows
             self.bufs = (
                 positions.new_empty((rows,)).long(), positions.new_empty((rows,)).long(),
@@ -715,8 +717,8 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
     except Exception:
         COUNTERS.errors += 1
         COUNTERS.kv_fallbacks += 1
+        _flush_or_drop(worker)  # what earlier steps owe is still theirs to store
         setattr(worker, KV_VERDICT_MARK, "the update failed")
-        setattr(worker, PENDING_MARK, None)
         _log_once("kv", logging.ERROR, "spec controller: drafter KV-only update failed; whole extends from now on", exc=True)
         return original(worker, batch, batch_result)
     COUNTERS.kv_steps += 1

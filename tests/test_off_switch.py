@@ -915,3 +915,22 @@ def test_the_kv_prefill_check_compares_with_sglangs_extend(eagle3: Any, kv_prefi
     c = off_switch.COUNTERS
     assert (c.kv_prefills, c.kv_prefill_checked, c.kv_prefill_identical) == (2, 1, identical)
     assert c.kv_prefill_max_d == pytest.approx(shift)
+
+
+def test_a_failing_step_still_stores_what_earlier_steps_owe(eagle3: Any, defer: Any) -> None:
+    import torch
+
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    steps = steps_of(3)
+    steps[2][1].logits_output.hidden_states = torch.randn(3, 100)  # hidden states of another width
+    sglang = SGLangExtend()
+    with torch.inference_mode():
+        for batch, result in steps:
+            off_switch.draft_extend_hook(sglang, worker, batch, result)
+    assert sglang.calls == 1 and getattr(worker, off_switch.KV_VERDICT_MARK) == "the update failed"
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+    ref = stored_at_once(model, steps[:2])  # the two steps before it were stored, not dropped
+    for got, want in zip(pool.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
