@@ -230,11 +230,7 @@ CONTRACT: tuple[Target, ...] = (
         why="off switch kv: the write the attention backends make",
     ),
     Target("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.get_kv_buffer", ("self", "layer_id"), why="kv check"),
-    Target("sglang.srt.speculative.eagle_utils.get_draft_recurrent_hidden_state_spec", ("model_runner",)),
-    Target("sglang.srt.layers.logits_processor.LogitsProcessorOutput.next_token_logits", kind="field"),
     Target("sglang.srt.layers.logits_processor.LogitsProcessorOutput.hidden_states", kind="field"),
-    Target("sglang.srt.model_executor.forward_batch_info.ForwardBatch.out_cache_loc", kind="field"),
-    Target("sglang.srt.model_executor.forward_batch_info.ForwardBatch.positions", kind="field"),
 )
 
 

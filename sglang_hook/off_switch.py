@@ -581,29 +581,40 @@ def kv_verdict(worker: Any) -> str:
     return why
 
 
-def _check_kv(original: Any, worker: Any, batch: Any, batch_result: Any, loc: Any) -> None:
-    """``ENV_OFF_DRAFT_CHECK``: SGLang's whole extend of the same step, over the slots just
-    written and cleared first (an extend that wrote elsewhere cannot pass): how far apart?
+def _against_sglang(worker: Any, loc: Any, run_sglang: Any) -> tuple[Any, bool, float, float, float]:
+    """What the KV-only update stored at ``loc`` against what SGLang's extend stores there: the
+    slots are read, cleared (an extend that wrote elsewhere cannot pass), SGLang's extend runs
+    (``run_sglang()``) and the slots are read again. Returns SGLang's result, whether the two
+    are identical, the largest key and value differences and the largest key stored.
 
-    Synchronises with the GPU; a benchmark turns it on for its warm-up only. SGLang's extend
-    also leaves its own proposal, as ``keep`` would."""
+    Synchronises with the GPU; a benchmark turns the checks on for its warm-up only."""
     runner = worker.draft_runner
     radix = runner.model.model.layers[0].self_attn.attn
     k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(radix.layer_id)
     ours_k, ours_v = k_buf[loc].float(), v_buf[loc].float()
     k_buf[loc] = 0
     v_buf[loc] = 0
-    original(worker, batch, batch_result)
+    out = run_sglang()
     theirs_k, theirs_v = k_buf[loc].float(), v_buf[loc].float()
+    same = bool(ours_k.equal(theirs_k)) and bool(ours_v.equal(theirs_v))
+    dk, dv = float((ours_k - theirs_k).abs().max()), float((ours_v - theirs_v).abs().max())
+    return out, same, dk, dv, float(theirs_k.abs().max())
+
+
+def _check_kv(original: Any, worker: Any, batch: Any, batch_result: Any, loc: Any) -> None:
+    """``ENV_OFF_DRAFT_CHECK``: SGLang's whole extend of the same step, over the same slots
+    (:func:`_against_sglang`): how far apart? SGLang's extend also leaves its own proposal, as
+    ``keep`` would."""
+    _, same, dk, dv, k_max = _against_sglang(worker, loc, lambda: original(worker, batch, batch_result))
     c = COUNTERS
     c.kv_checked += 1
-    c.kv_identical += int(bool(ours_k.equal(theirs_k)) and bool(ours_v.equal(theirs_v)))
-    c.kv_max_dk = max(c.kv_max_dk, float((ours_k - theirs_k).abs().max()))
-    c.kv_max_dv = max(c.kv_max_dv, float((ours_v - theirs_v).abs().max()))
+    c.kv_identical += int(same)
+    c.kv_max_dk = max(c.kv_max_dk, dk)
+    c.kv_max_dv = max(c.kv_max_dv, dv)
     if c.kv_checked in (1, 10, 100) or c.kv_checked == _CHECK.steps:
         logger.info(
             "spec controller: kv check %d steps, %d identical, max |dk| %.3g (|k| up to %.3g), max |dv| %.3g",
-            c.kv_checked, c.kv_identical, c.kv_max_dk, float(theirs_k.abs().max()), c.kv_max_dv,
+            c.kv_checked, c.kv_identical, c.kv_max_dk, k_max, c.kv_max_dv,
         )  # fmt: skip
 
 
@@ -737,8 +748,7 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
 def flush_first_hook(original: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND the draft worker's ``draft``: it reads the drafter's cache, so what depth 0 owes
     is stored first."""
-    if getattr(worker, PENDING_MARK, None) is not None:
-        _flush_or_drop(worker)
+    _flush_or_drop(worker)
     return original(worker, *args, **kwargs)
 
 
@@ -750,8 +760,7 @@ def draft_prefill_hook(
     prefill's drafter extend stores keys and values only (:func:`prefill_inputs`,
     :func:`draft_kv`) and returns SGLang's zeroed proposal (:func:`prefill_stub`), leaving the
     batch as SGLang's extend leaves it. Anything else, and any failure, runs SGLang's extend."""
-    if getattr(worker, PENDING_MARK, None) is not None:
-        _flush_or_drop(worker)
+    _flush_or_drop(worker)
     if (
         not _PREFILL.kv
         or getattr(worker, "speculative_num_steps", None) != 0
@@ -792,19 +801,12 @@ def draft_prefill_hook(
 
 def _check_prefill(original: Any, worker: Any, batch: Any, hidden: Any, next_token_ids: Any, loc: Any) -> Any:
     """``ENV_OFF_DRAFT_CHECK`` for ``ENV_OFF_PREFILL``: the stored keys and values against what
-    SGLang's extend of the same prefill stores in the same slots (cleared first)."""
-    runner = worker.draft_runner
-    radix = runner.model.model.layers[0].self_attn.attn
-    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(radix.layer_id)
-    ours_k, ours_v = k_buf[loc].float(), v_buf[loc].float()
-    k_buf[loc] = 0
-    v_buf[loc] = 0
-    out = original(worker, batch, hidden, next_token_ids)
-    theirs_k, theirs_v = k_buf[loc].float(), v_buf[loc].float()
+    SGLang's extend of the same prefill stores in the same slots (:func:`_against_sglang`)."""
+    out, same, dk, dv, _ = _against_sglang(worker, loc, lambda: original(worker, batch, hidden, next_token_ids))
     c = COUNTERS
     c.kv_prefill_checked += 1
-    c.kv_prefill_identical += int(bool(ours_k.equal(theirs_k)) and bool(ours_v.equal(theirs_v)))
-    c.kv_prefill_max_d = max(c.kv_prefill_max_d, float((ours_k - theirs_k).abs().max()), float((ours_v - theirs_v).abs().max()))
+    c.kv_prefill_identical += int(same)
+    c.kv_prefill_max_d = max(c.kv_prefill_max_d, dk, dv)
     if c.kv_prefill_checked in (1, _CHECK.prefills):
         logger.info(
             "spec controller: kv prefill check %d prefills (%d tokens in the last), %d identical, max |d| %.3g",

@@ -85,29 +85,18 @@ class Kind:
         return self.speculative and not self.sglang_rule
 
 
+# The hook's default off switch; its first 60 depth-0 steps (in the warm-up) also run SGLang's
+# whole extend and log how far the two writes are apart.
+KV_FLAGS = ("--spec-off-path", "plain", "--spec-off-draft", "kv")
+KV_CHECK = ("SPECDEPTH_OFF_DRAFT_CHECK", "60")
 KINDS = {
     "plain": Kind("plain", False),
     "plain2": Kind("plain-control", False),  # a second plain server: the noise floor of every ratio
-    "off": Kind(
-        "static:0",
-        True,
-        ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
-        env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"),),
-    ),
+    "off": Kind("static:0", True, KV_FLAGS, env=(KV_CHECK,)),
     # kv with each depth-0 step's drafter update stored at once (the default owes up to 16)
-    "off-lean": Kind(
-        "static:0-lean",
-        True,
-        ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
-        env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"), ("SPECDEPTH_OFF_DRAFT_DEFER", "1")),
-    ),
+    "off-lean": Kind("static:0-lean", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_DRAFT_DEFER", "1"))),
     # kv, and a depth-0 prefill's drafter extend keys and values only too (experimental)
-    "off-pkv": Kind(
-        "static:0-pkv",
-        True,
-        ("--spec-off-path", "plain", "--spec-off-draft", "kv"),
-        env=(("SPECDEPTH_OFF_DRAFT_CHECK", "60"), ("SPECDEPTH_OFF_PREFILL", "kv")),
-    ),
+    "off-pkv": Kind("static:0-pkv", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "kv"))),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
