@@ -765,7 +765,7 @@ def draft_prefill_hook(
         not _PREFILL.kv
         or getattr(worker, "speculative_num_steps", None) != 0
         or batch.forward_mode.is_idle()
-        or args
+        or any(a is not None for a in args)  # 0.5.17 passes mm_input_embeds, None for text
         or any(v is not None for v in kwargs.values())
         or getattr(worker, PREFILL_OFF_MARK, False)
         or kv_verdict(worker)

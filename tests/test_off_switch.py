@@ -855,8 +855,8 @@ def test_a_depth_0_prefill_stores_kv_only_and_leaves_sglangs_batch(eagle3: Any, 
     batch, hidden, sampled = prefill_batch()
     want_ids, want_positions = sglang_prefill_inputs(batch, sampled)
     calls: list[str] = []
-    with torch.inference_mode():
-        out = off_switch.draft_prefill_hook(lambda *a, **k: calls.append("sglang"), worker, batch, hidden, sampled)
+    with torch.inference_mode():  # as EAGLEWorkerV2 calls it: mm_input_embeds positional, None for text
+        out = off_switch.draft_prefill_hook(lambda *a, **k: calls.append("sglang"), worker, batch, hidden, sampled, None)
     assert calls == [] and off_switch.COUNTERS.kv_prefills == 1
     ref = pool_for(model)
     with torch.inference_mode():
@@ -868,6 +868,8 @@ def test_a_depth_0_prefill_stores_kv_only_and_leaves_sglangs_batch(eagle3: Any, 
     assert out.hidden_states.shape == (3, 64) and out.bonus_tokens is sampled and out.num_tokens_per_req == 1
     assert batch.input_ids.tolist() == want_ids.tolist() and isinstance(batch.spec_info, EagleDraftExtendInput)
 
+    embeds = torch.zeros(8, 64)  # multimodal input embeddings: SGLang's extend
+    assert off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch(), embeds) == "sglang"
     worker.speculative_num_steps = 3  # drafting: the proposal is needed, SGLang's extend runs
     assert off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch()) == "sglang"
     kv_prefill.kv = False  # not asked for: SGLang's
