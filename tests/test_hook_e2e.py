@@ -340,6 +340,21 @@ def test_realgpu_swap_moves_the_live_hook_between_controllers(stack: Stack) -> N
     assert all(step_records(traces / name) for name in ("static-0", "bandit", "ppo"))
 
 
+def test_loadgen_steady_throughput_on_the_real_server(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench/h200/loadgen.py`` against the plain SGLang server: the streamed chunks carry the
+    tokens so far, and the steady figure (all clients busy) comes from them, inside the run."""
+    sys.path.insert(0, str(REPO / "bench" / "h200"))
+    import loadgen
+
+    # testbed prompts draw from a 32,000-token vocabulary; the tiny model has 512
+    monkeypatch.setattr(loadgen, "prompts", lambda spec: [[5 + i, 17, 42, 99] for i in range(spec.n_requests)])
+    m = loadgen.run_load(f"http://127.0.0.1:{stack.plain_port}", loadgen.LoadSpec(2, 8, 4, 12), timeout_s=120)
+    assert m["failed"] == 0 and all(r["out_tokens"] == 12 for r in m["requests"])
+    assert m["steady_tok_s"] is not None and 0 < m["steady_s"] < m["wall_s"]
+    # the window holds no more tokens than the whole run made
+    assert 0 < m["steady_tok_s"] * m["steady_s"] <= 8 * 12
+
+
 def step_records_in(paths: list[Path]) -> bool:
     from controller.traces import iter_records
 

@@ -457,3 +457,23 @@ def test_the_profile_timeline_splits_a_step_into_graph_eager_and_idle() -> None:
     waited = {w["launch"].split(" <- ")[0]: w for w in out["waited_for"]}
     assert waited["cudaLaunchKernel"]["us_per_step"] == pytest.approx(50.0)
     assert "eagle_utils" in [w["launch"] for w in out["waited_for"] if w["launch"].startswith("cudaLaunchKernel")][0]
+
+
+def test_steady_throughput_counts_only_while_every_client_is_busy() -> None:
+    """Two clients, four requests: the window opens when both first requests have their first
+    token (t = 1) and closes when the last request is sent (t = 5); the drain after it, however
+    slow, is not in the steady figure, and tokens before the window are not either."""
+    from loadgen import steady_throughput
+
+    sent = [0.0, 0.0, 3.0, 5.0]
+    timelines = [
+        [(0.5, 1), (1.0, 2), (3.0, 6)],  # 2 tokens before t=1; 4 in the window
+        [(1.0, 1), (4.0, 7), (5.0, 9)],  # 8 in the window
+        [(3.5, 1), (4.5, 3)],  # 3
+        [(5.5, 1), (20.0, 100)],  # all after the window: the drain
+    ]
+    tok_s, seconds = steady_throughput(timelines, sent, 2)  # type: ignore[misc]
+    assert seconds == 4.0 and tok_s == (4 + 8 + 3) / 4.0
+    assert steady_throughput(timelines[:2], sent[:2], 2) is None  # no request after the first C
+    assert steady_throughput([[], *timelines[1:]], sent, 2) is None  # a first request never streamed
+    assert steady_throughput(timelines, [0.0, 0.0, 0.5, 0.8], 2) is None  # all sent before the window

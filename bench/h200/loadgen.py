@@ -90,7 +90,45 @@ def families(spec: LoadSpec) -> list[str]:
     return [rng.choice(names) if names else "" for _ in range(spec.n_requests)]
 
 
-async def _one(session: Any, url: str, idx: int, ids: list[int], out_tokens: int) -> RequestResult:
+def steady_throughput(
+    timelines: list[list[tuple[float, int]]], sent: list[float], concurrency: int
+) -> tuple[float, float] | None:
+    """Output tokens per second while all ``concurrency`` clients are busy: ``(tok/s, seconds)``.
+
+    A closed-loop point of N requests spends its end draining: once the last request is sent,
+    fewer than C are in flight, and with mixed acceptance or drawn lengths the slowest requests
+    set the wall time (with 2C requests the drain was 40-76% of a point's time on the H100
+    testbed). The window here runs from the moment each of the first C requests has its first
+    token to the moment the last request is sent. ``timelines[i]``: request i's streamed chunks
+    as (seconds since the point began, tokens so far); ``sent[i]``: when it was sent, in the
+    same clock. None when the window is empty (too few requests for C)."""
+    if len(sent) <= concurrency or len(timelines) != len(sent):
+        return None
+    first = sorted(range(len(sent)), key=lambda i: sent[i])[:concurrency]
+    if any(not timelines[i] for i in first):
+        return None
+    t_a = max(timelines[i][0][0] for i in first)
+    t_b = max(sent)
+    if t_b <= t_a:
+        return None
+
+    def tokens_at(chunks: list[tuple[float, int]], t: float) -> int:
+        n = 0
+        for when, so_far in chunks:
+            if when > t:
+                break
+            n = so_far
+        return n
+
+    made = sum(tokens_at(c, t_b) - tokens_at(c, t_a) for c in timelines)
+    return made / (t_b - t_a), t_b - t_a
+
+
+async def _one(
+    session: Any, url: str, idx: int, ids: list[int], out_tokens: int, chunks: list[tuple[float, int]] | None = None,
+    origin: float = 0.0,
+) -> RequestResult:
+    """One streamed request; ``chunks`` (when given) collects (seconds since ``origin``, tokens so far)."""
     body = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0.0, "ignore_eos": True},
@@ -117,6 +155,10 @@ async def _one(session: Any, url: str, idx: int, ids: list[int], out_tokens: int
                     if not first:
                         first = time.perf_counter()
                     last = json.loads(payload)
+                    if chunks is not None:
+                        got = (last.get("meta_info") or {}).get("completion_tokens")
+                        if isinstance(got, int):
+                            chunks.append((time.perf_counter() - origin, got))
     except Exception as exc:  # a dropped connection is a failed request, not a crash of the bench
         return RequestResult(idx, False, f"{type(exc).__name__}: {exc}"[:300])
     t1 = time.perf_counter()
@@ -141,26 +183,29 @@ async def _one(session: Any, url: str, idx: int, ids: list[int], out_tokens: int
     )
 
 
-async def _run(url: str, spec: LoadSpec, timeout_s: float) -> tuple[list[RequestResult], float]:
+async def _run(url: str, spec: LoadSpec, timeout_s: float) -> tuple[list[RequestResult], float, tuple[float, float] | None]:
     import aiohttp
 
     lengths = output_lengths(spec)
     work = list(enumerate(prompts(spec)))
     results: list[RequestResult] = []
+    timelines: list[list[tuple[float, int]]] = [[] for _ in work]
+    sent = [0.0] * len(work)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     conn = aiohttp.TCPConnector(limit=spec.concurrency + 4)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        t0 = time.perf_counter()
 
         async def worker() -> None:
             while work:
                 idx, ids = work.pop(0)
-                results.append(await _one(session, url, idx, ids, lengths[idx]))
+                sent[idx] = time.perf_counter() - t0
+                results.append(await _one(session, url, idx, ids, lengths[idx], timelines[idx], t0))
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
         wall = time.perf_counter() - t0
     results.sort(key=lambda r: r.idx)
-    return results, wall
+    return results, wall, steady_throughput(timelines, sent, spec.concurrency)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -175,12 +220,13 @@ def run_load(url: str, spec: LoadSpec, timeout_s: float = 300.0) -> dict[str, An
     """Run ``spec`` against the server at ``url``; returns a summary and the per-request rows.
 
     Returns:
-        dict with ``throughput_tok_s`` (output tokens / wall time), ``tpot_mean_ms``,
+        dict with ``throughput_tok_s`` (output tokens / wall time), ``steady_tok_s`` and
+        ``steady_s`` (:func:`steady_throughput`), ``tpot_mean_ms``,
         ``tpot_p99_ms``, ``ttft_mean_ms``, ``accept_len_mean`` (tokens per verify, bonus
         included), ``failed`` (requests that errored or came back short), ``wall_s`` and
         ``requests`` (per-request dicts, output ids included).
     """
-    results, wall = asyncio.run(_run(url, spec, timeout_s))
+    results, wall, steady = asyncio.run(_run(url, spec, timeout_s))
     ok = [r for r in results if r.ok]
     tpots = [r.tpot_ms for r in ok]
     verify = sum(r.verify_ct for r in ok)
@@ -193,6 +239,9 @@ def run_load(url: str, spec: LoadSpec, timeout_s: float = 300.0) -> dict[str, An
     return {
         **asdict(spec),
         "throughput_tok_s": sum(r.out_tokens for r in results) / wall if wall > 0 else 0.0,
+        # while all C clients were busy (steady_throughput); None with too few requests
+        "steady_tok_s": steady[0] if steady else None,
+        "steady_s": steady[1] if steady else None,
         "tpot_mean_ms": statistics.fmean(tpots) if tpots else float("nan"),
         "tpot_p50_ms": _pct(tpots, 0.5),
         "tpot_p99_ms": _pct(tpots, 0.99),

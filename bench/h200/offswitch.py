@@ -210,7 +210,9 @@ class Book:
         self.rows.append(row)
         point = {**row, "server": server.spec.label, "wall_s": round(m["wall_s"], 2), "errors": m["errors"],
                  "accept_len_mean": m["accept_len_mean"], "ttft_ms_mean": round(m["ttft_mean_ms"], 1),
-                 "hist": m["accepted_drafts_histogram"], "mix": m.get("mix", "")}  # fmt: skip
+                 "hist": m["accepted_drafts_histogram"], "mix": m.get("mix", ""),
+                 "steady_tok_s": None if m.get("steady_tok_s") is None else round(m["steady_tok_s"], 1),
+                 "steady_s": None if m.get("steady_s") is None else round(m["steady_s"], 2)}  # fmt: skip
         if compared:  # per request, a short hash of its output: identity across calls (analysis)
             point["out_hash"] = hashes
         plain = self.outputs.get((name, rep, c, "plain"))
@@ -226,6 +228,7 @@ class Book:
         run.log(
             f"{server.spec.label:>9} {policy:>24} rep {rep} C={c:<3} {row['tok_s']:9.1f} tok/s  "
             f"tpot {row['tpot_ms_mean']:7.2f}/{row['tpot_ms_p99']:7.2f} ms  failed {row['failed']}"
+            + (f"  steady {point['steady_tok_s']:9.1f} tok/s over {point['steady_s']:.1f} s" if point["steady_tok_s"] else "")
         )
         self.flush()
 
@@ -245,11 +248,14 @@ def output_hash(ids: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Per concurrency: plain tok/s, and each policy's ratio to plain (mean of per-rep ratios)."""
+def table(rows: list[dict[str, Any]], key: str = "tok_s") -> str:
+    """Per concurrency: plain tok/s, and each policy's ratio to plain (mean of per-rep ratios).
+    ``key``: ``tok_s`` (the whole point) or, from the points, ``steady_tok_s`` (while all C
+    clients were busy; rows without it are left out)."""
     by: dict[tuple[int, str], dict[int, float]] = {}
     for r in rows:
-        by.setdefault((int(r["concurrency"]), r["policy"]), {})[int(r["rep"])] = float(r["tok_s"])
+        if r.get(key) is not None:
+            by.setdefault((int(r["concurrency"]), r["policy"]), {})[int(r["rep"])] = float(r[key])
     policies = sorted({p for _, p in by if p != "plain"})
     lines = [
         "| C | plain tok/s (reps) | " + " | ".join(f"{p} / plain: mean (min-max)" for p in policies) + " |"
@@ -595,6 +601,9 @@ def main() -> int:
                 print(f"   waited {w['us_per_step']:7.1f} us/step (n={w['n']}) for {w['launch'][:240]}")
         closed = [r for r in book.rows if r["workload"].startswith("closed")]
         print("\n== throughput (tok/s), ratios to plain per repetition\n" + table(closed))
+        steady = [p for p in book.points if p["workload"].startswith("closed")]
+        print("\n== while all C clients were busy (steady_tok_s), ratios to plain per repetition\n"
+              + table(steady, key="steady_tok_s"))  # fmt: skip
         for r in book.rows:
             if r["workload"].startswith("switch"):
                 print(

@@ -534,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"\n== {prefix}: throughput (tok/s), ratios to plain per repetition\n"
                     + offswitch.table(rows)
                 )
+            points = [p for p in book.points if p["workload"].startswith(prefix)]
+            if prefix == "closed" and points:
+                print("\n== closed, while all C clients were busy: ratios to plain\n"
+                      + offswitch.table(points, key="steady_tok_s"))  # fmt: skip
     return 0
 
 
