@@ -1,0 +1,90 @@
+"""Where a closed-loop point's time went, read from the hook's step records of a device call.
+
+A realgpu/offswitch call times each (policy, C) point from the client; the hook's trace of the
+same point says what the server did meanwhile. Per point (a run of steps between idle gaps of
+more than ``--gap-ms``), this prints:
+
+- ``tok/s``: output tokens (batch + accepted drafts) over the summed step time;
+- ``full``: the same over the steps that ran at 90% of the point's largest batch or more, and
+  the share of the point's time they took: the rest is the ramp and the drain, when fewer than
+  C requests were left;
+- ``decode``: the median step at the full batch without an admission, and ``admit``: the mean
+  extra time per admission (a step whose record carries ``prefill_tokens``, with the step before
+  it: under the overlap scheduler an admission's time can land in the record before the one
+  that counts its tokens), against two such decode steps; mean and median.
+
+Traces carry no plain server (it has no hook), so this compares policies of the hook server
+only. Usage: ``python bench/h200/trace_points.py TRACE.msgpack.gz [...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from controller.traces import iter_records  # noqa: E402
+
+
+def points(steps: list[dict], gap_ms: float) -> list[list[dict]]:
+    """The trace's steps split where the server idled longer than ``gap_ms`` between steps."""
+    out: list[list[dict]] = [[]]
+    prev_end = None
+    for s in steps:
+        start = s["ts_ns"] / 1e6 - s["step_us"] / 1e3
+        if prev_end is not None and start - prev_end > gap_ms and out[-1]:
+            out.append([])
+        out[-1].append(s)
+        prev_end = s["ts_ns"] / 1e6
+    return [p for p in out if p]
+
+
+def describe(point: list[dict]) -> dict[str, float]:
+    c = max(s["bs"] for s in point)
+    tokens = [s["bs"] + sum(s["accept"]) for s in point]
+    us = [float(s["step_us"]) for s in point]
+    full = [i for i, s in enumerate(point) if s["bs"] >= 0.9 * c]
+    decode = [us[i] for i in full if point[i]["prefill_tokens"] == 0 and (i == 0 or point[i - 1]["prefill_tokens"] == 0)]
+    base = statistics.median(decode) if decode else float("nan")
+    admits = [i for i in range(1, len(point)) if point[i]["prefill_tokens"] > 0 and point[i]["bs"] >= 0.9 * c]
+    extra = [us[i] + us[i - 1] - 2 * base for i in admits]
+    return {
+        "c": c,
+        "steps": len(point),
+        "tok_s": sum(tokens) / sum(us) * 1e6,
+        "full_tok_s": sum(tokens[i] for i in full) / sum(us[i] for i in full) * 1e6 if full else float("nan"),
+        "full_share": sum(us[i] for i in full) / sum(us),
+        "decode_ms": base / 1e3,
+        "admissions": len(admits),
+        "admit_ms": statistics.fmean(extra) / 1e3 if extra else float("nan"),
+        "admit_p50_ms": statistics.median(extra) / 1e3 if extra else float("nan"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--gap-ms", type=float, default=150.0, help="idle time that separates two points")
+    parser.add_argument("--min-steps", type=int, default=50, help="leave out shorter runs (priming, probes)")
+    args = parser.parse_args(argv)
+    print("| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions | ms per admission, mean / median |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in args.traces:
+        steps = [r for r in iter_records(path) if r.get("t") == "step"]
+        for p in points(steps, args.gap_ms):
+            if len(p) < args.min_steps:
+                continue
+            d = describe(p)
+            print(
+                f"| {path.name.split('-h200')[0]} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
+                f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} | {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
