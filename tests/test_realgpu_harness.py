@@ -73,7 +73,7 @@ def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_trace
     hook = Hook(endpoint)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     records = tmp_path / "traces"
-    pack = realgpu.TracePack(records, tmp_path)
+    pack = policyswap.TracePack(records, tmp_path)
     swap = policyswap.ControllerSwap(
         endpoint, tmp_path / "logs", records, env, hook.poke, on_stop=pack.add_new
     )
@@ -184,6 +184,32 @@ def test_parse_starts_only_the_servers_the_stages_need() -> None:
         [1, 2, 3],
     ]
     assert [realgpu.rotate(list(range(15)), rep)[0] for rep in (1, 2, 3)] == [0, 5, 10]
+
+
+def test_every_hook_server_command_is_one_the_launcher_accepts(tmp_path: Path) -> None:
+    """``offswitch.Server.argv`` for each kind started through the hook's launcher parses with
+    the launcher's own ``plan``; ``plain-rec`` is the plain server (no speculation) with a
+    controller endpoint, so ``--record`` can record its steps."""
+    import argparse
+
+    import offswitch
+
+    from sglang_hook.launch_server import plan
+
+    args = argparse.Namespace(mem_fraction=0.8, max_total_tokens=49152, conc=[16, 64], backend="triton",
+                              no_prefill_graph=True, context=4096)  # fmt: skip
+    for label, kind in offswitch.KINDS.items():
+        if kind.sglang_rule:  # SGLang's own rule, no hook (its argv writes its config on the device)
+            continue
+        argv = offswitch.Server(label, kind, 31000, args).argv()
+        if not kind.hook:
+            assert argv[2] == "sglang.launch_server" and "--spec-controller" not in argv
+            continue
+        assert argv[2] == "sglang_hook.launch_server", label
+        p = plan(argv[3:], str(tmp_path / "adaptive.json"))
+        assert p.speculative == kind.speculative and p.config.endpoint == f"ipc:///tmp/specdepth-off-{label}.sock"
+        assert ("--speculative-algorithm" in argv) == kind.speculative, label
+    assert offswitch.KINDS["plain-rec"].hook and not offswitch.KINDS["plain-rec"].speculative
 
 
 def test_help_runs_without_sglang() -> None:

@@ -18,6 +18,12 @@ Servers (``--servers``):
   off-keep   the same, the drafter's whole extend kept at depth 0 (``--spec-off-draft keep``).
   off-skip   the same, the drafter's extend skipped at depth 0 (``--spec-off-draft skip``).
   legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
+  plain-rec  the plain server started through the hook's launcher, no speculation: with
+             ``--record`` its steps are recorded like the hook servers' (admissions included).
+
+With ``--record`` each hook server (and ``plain-rec``) gets a recording controller serving
+``static:0`` and the traces come back in ``traces.tar`` (``bench/h200/trace_points.py`` reads
+them: where each point's time went, what an admission cost).
 
 Every request is greedy with random token-id prompts; requests with the same (repetition,
 concurrency, index) are the same on every server, so outputs are compared token for token.
@@ -52,6 +58,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import policyswap  # noqa: E402  (the recording controllers of --record)
 import run  # noqa: E402  (set-up, model building and server processes, shared with run.py)
 from loadgen import LoadSpec, run_load  # noqa: E402
 
@@ -78,11 +85,12 @@ class Kind:
     flags: tuple[str, ...] = ()  # the launcher's --spec-off-* flags
     sglang_rule: str = ""  # "default" / "tuned": SGLang's own adaptive rule, no hook
     env: tuple[tuple[str, str], ...] = ()  # added to the server's environment
+    recorded: bool = False  # not speculative, but through the hook's launcher: its steps are recorded
 
     @property
     def hook(self) -> bool:
         """Started through ``sglang_hook.launch_server`` (a controller can drive it)."""
-        return self.speculative and not self.sglang_rule
+        return (self.speculative and not self.sglang_rule) or self.recorded
 
 
 # The hook's default off switch; its first 60 depth-0 steps (in the warm-up) also run SGLang's
@@ -92,6 +100,9 @@ KV_CHECK = ("SPECDEPTH_OFF_DRAFT_CHECK", "60")
 KINDS = {
     "plain": Kind("plain", False),
     "plain2": Kind("plain-control", False),  # a second plain server: the noise floor of every ratio
+    # plain SGLang through the hook's launcher: with --record, its decode steps (and the steps
+    # that admitted requests) are in a trace like the speculative servers', for trace_points.py
+    "plain-rec": Kind("plain-rec", False, recorded=True),
     "off": Kind("static:0", True, KV_FLAGS, env=(KV_CHECK,)),
     # kv with each depth-0 step's drafter update stored at once (the default owes up to 16)
     "off-lean": Kind("static:0-lean", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_DRAFT_DEFER", "1"))),
@@ -132,6 +143,10 @@ class Server(run.Server):
         if a.no_prefill_graph:
             common.append("--disable-prefill-cuda-graph")
         if not self.kind.speculative:
+            if self.kind.recorded:
+                hook = ["--spec-controller", self.endpoint, "--spec-stale-ms", "200",
+                        "--spec-instance", f"h200-{self.spec.label}"]  # fmt: skip
+                return [sys.executable, "-m", "sglang_hook.launch_server", *hook, *common]
             return [sys.executable, "-m", "sglang.launch_server", *common]
         steps = (
             7 if self.kind.sglang_rule == "default" else max(self.depths)
@@ -506,6 +521,10 @@ def main() -> int:
     parser.add_argument("--profile-steps", type=int, default=6, help="decode steps per profile")
     parser.add_argument("--switch", default="", help="server to time static:0, static:3 and alternate:0,3 on")
     parser.add_argument(
+        "--record", action="store_true",
+        help="a recording controller (static:0) on each hook server and plain-rec; traces in traces.tar",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-prefill-graph",
         action="store_true",
         help="--disable-prefill-cuda-graph on every server (saves ~100 s of start-up; decode unchanged)",
@@ -522,6 +541,7 @@ def main() -> int:
     res.data["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     book = Book(args.out, res)
     servers: list[Server] = []
+    swaps: list[policyswap.ControllerSwap] = []
     try:
         compiler = run.setup(res)
         compiler.wait()
@@ -544,6 +564,19 @@ def main() -> int:
             run.log(f"server {server.spec.label}: {why}")
         res.event("ready", servers=ready)
         live = [s for s in servers if ready[s.spec.label] == "ready"]
+        if args.record:
+            records = run.ROOT / f"traces_{int(run.T0)}"
+            pack = policyswap.TracePack(records, args.out)
+            for server in live:
+                if server.kind.hook:
+                    swap = policyswap.ControllerSwap(
+                        server.endpoint, run.RES, records, run._env(),
+                        poke=lambda url=server.url: run_load(url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
+                        label=server.spec.label, on_stop=pack.add_new,
+                    )  # fmt: skip
+                    swaps.append(swap)
+                    got = swap.use("static:0")
+                    run.log(f"recording controller on {server.spec.label}: {got.why}")
         for server in live:  # warm every batch shape once, outside the timed points
             for c in args.conc:
                 run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c))
@@ -576,6 +609,8 @@ def main() -> int:
                         )  # fmt: skip
                         book.flush()
     finally:
+        for swap in swaps:  # each packs its traces into traces.tar as it stops
+            swap.stop()
         for server in servers:
             server.stop()
             res.data.setdefault("servers", {})[server.spec.label] = {

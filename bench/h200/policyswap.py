@@ -30,11 +30,14 @@ controller runs as a child under ``python`` with ``env`` (the carried packages o
 
 from __future__ import annotations
 
+import gzip
+import io
 import os
 import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -265,3 +268,36 @@ class ControllerSwap:
         if self.on_stop is not None:
             self.on_stop()
         return out
+
+
+class TracePack:
+    """Appends each stopped controller's trace files, gzipped and flat, to ``out/traces.tar``
+    (``traces2.tar``, ... once one passes 15 MiB: the device tool returns files of 16 MiB at most)."""
+
+    LIMIT = 15 << 20
+
+    def __init__(self, records: Path, out: Path) -> None:
+        self.records = records
+        self.out = out
+        self.done: set[Path] = set()
+        self.n = 0
+
+    def add_new(self) -> int:
+        """Pack the files not packed yet (call it only while no controller writes)."""
+        new = sorted(p for p in self.records.glob("*/*.msgpack") if p not in self.done)
+        if not new:
+            return 0
+        tar_path, n = self.out / "traces.tar", 1
+        while tar_path.exists() and tar_path.stat().st_size > self.LIMIT:
+            n += 1
+            tar_path = self.out / f"traces{n}.tar"
+        with tarfile.open(tar_path, "a" if tar_path.exists() else "w") as tar:
+            for p in new:
+                data = gzip.compress(p.read_bytes(), compresslevel=6)
+                info = tarfile.TarInfo(f"traces/{p.parent.name}-{p.name}.gz")
+                info.size = len(data)
+                info.mtime = int(p.stat().st_mtime)
+                tar.addfile(info, io.BytesIO(data))
+                self.done.add(p)
+        self.n += len(new)
+        return len(new)

@@ -55,13 +55,10 @@ Usage (device, repo root): python3 bench/h200/realgpu.py --out "$OUT" --stages c
 from __future__ import annotations
 
 import argparse
-import gzip
-import io
 import json
 import os
 import statistics
 import sys
-import tarfile
 import threading
 import time
 from pathlib import Path
@@ -118,39 +115,6 @@ def servers_needed(policies: list[str]) -> list[str]:
     return [lbl for lbl in offswitch.KINDS if lbl in labels]  # a stable order: plain first
 
 
-class TracePack:
-    """Appends each stopped controller's trace files, gzipped and flat, to ``out/traces.tar``
-    (``traces2.tar``, ... once one passes 15 MiB: the device tool returns files of 16 MiB at most)."""
-
-    LIMIT = 15 << 20
-
-    def __init__(self, records: Path, out: Path) -> None:
-        self.records = records
-        self.out = out
-        self.done: set[Path] = set()
-        self.n = 0
-
-    def add_new(self) -> int:
-        """Pack the files not packed yet (call it only while no controller writes)."""
-        new = sorted(p for p in self.records.glob("*/*.msgpack") if p not in self.done)
-        if not new:
-            return 0
-        tar_path, n = self.out / "traces.tar", 1
-        while tar_path.exists() and tar_path.stat().st_size > self.LIMIT:
-            n += 1
-            tar_path = self.out / f"traces{n}.tar"
-        with tarfile.open(tar_path, "a" if tar_path.exists() else "w") as tar:
-            for p in new:
-                data = gzip.compress(p.read_bytes(), compresslevel=6)
-                info = tarfile.TarInfo(f"traces/{p.parent.name}-{p.name}.gz")
-                info.size = len(data)
-                info.mtime = int(p.stat().st_mtime)
-                tar.addfile(info, io.BytesIO(data))
-                self.done.add(p)
-        self.n += len(new)
-        return len(new)
-
-
 class Bench:
     """The servers, the hook server's controller swap and the result book of one call."""
 
@@ -160,7 +124,7 @@ class Bench:
         self.by_label = {s.spec.label: s for s in live}
         self.deadline = run.T0 + args.deadline_s
         self.records = run.ROOT / f"traces_{int(run.T0)}"  # per call: a warm machine keeps the last call's
-        self.pack = TracePack(self.records, args.out)
+        self.pack = policyswap.TracePack(self.records, args.out)
         # A controller swap per hook server; only the resume stage drives those other than HOOK.
         self.swaps: dict[str, policyswap.ControllerSwap] = {}
         for label, server in self.by_label.items():
