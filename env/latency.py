@@ -156,6 +156,11 @@ class LatencyParams:
     verify_seq_us: float = 0.0
     pf_attn_us_per_tok: float = 0.02
     pf_scale: float = 1.0
+    # A step that admits requests, beyond its prefill pass: fitted to traces (env.fit), 0 in the
+    # profile-built deployments. On the H100 testbed (prefix-cached prompts, eager prefills) an
+    # admission cost the speculative server 40-90 ms against a 7-10 ms decode step.
+    admit_us: float = 0.0
+    admit_seq_us: float = 0.0  # ... per request already running
     jitter: float = 0.01
     rel_se: dict[str, float] | None = None
 
@@ -207,7 +212,7 @@ STEP_COEFFS = (
     "d_fix_us", "d_fc_us", "d_w_us", "d_f_us_per_tok", "d_tok_us_per_tok", "d_layers",
     "oh_us", "oh_spec_us", "oh_req_us",
     "off_verify", "off_extend", "v0_fix_us", "v0_seq_us",
-    "pf_attn_us_per_tok", "pf_scale", "verify_seq_us",
+    "pf_attn_us_per_tok", "pf_scale", "verify_seq_us", "admit_us", "admit_seq_us",
 )  # fmt: skip
 (
     I_T_FIX, I_W, I_F, I_P, I_TOK, I_LAYERS,
@@ -216,8 +221,8 @@ STEP_COEFFS = (
     I_D_FIX, I_D_FC, I_D_W, I_D_F, I_D_TOK, I_D_LAYERS,
     I_OH, I_OH_SPEC, I_OH_REQ,
     I_OFF_VERIFY, I_OFF_EXTEND, I_V0_FIX, I_V0_SEQ,
-    I_PF_ATTN, I_PF_SCALE, I_VER_SEQ,
-) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36)  # fmt: skip
+    I_PF_ATTN, I_PF_SCALE, I_VER_SEQ, I_ADMIT, I_ADMIT_SEQ,
+) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38)  # fmt: skip
 I_SPLIT_Q = I_SPLIT + 4
 
 _COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
@@ -308,12 +313,14 @@ def _draft_pass(c: np.ndarray, b: float, q: float, ctx_tokens: float, fc: bool) 
 
 
 @maybe_njit
-def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float) -> float:
-    """``t`` plus the prefill of ``prefill_tokens`` prompt tokens (none: ``t``): one chunked pass."""
+def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float, b: float) -> float:
+    """``t`` plus the prefill of ``prefill_tokens`` prompt tokens (none: ``t``): one chunked pass,
+    and the admission's own cost with ``b`` requests running."""
     if prefill_tokens > 0:
         pf = float(prefill_tokens)
         t += c[I_T_FIX] + c[I_PF_SCALE] * (_gemm_kernel(c[I_W], c[I_F], c[I_P], pf) + c[I_TOK] * pf)
         t += c[I_LAYERS] * c[I_DEC] + c[I_PF_ATTN] * pf
+        t += c[I_ADMIT] + c[I_ADMIT_SEQ] * b  # exactly t when both are 0 (the bundled deployments)
     return t
 
 
@@ -340,7 +347,7 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
     Compiled when numba is installed, and callable from other kernels of this module.
     """
     b = float(bs)
-    t = _with_prefill(c, c[I_OH] + c[I_OH_REQ] * b, prefill_tokens)
+    t = _with_prefill(c, c[I_OH] + c[I_OH_REQ] * b, prefill_tokens, b)
     if depth > 0:
         q = depth + 1.0
         t += c[I_OH_SPEC]
@@ -467,9 +474,10 @@ def step_time_us(
     return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens)
 
 
-def prefill_us(lp: LatencyParams, prefill_tokens: float) -> float:
-    """Time of prefilling ``prefill_tokens`` prompt tokens between two decode steps, µs."""
-    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens)
+def prefill_us(lp: LatencyParams, prefill_tokens: float, bs: int = 0) -> float:
+    """Time of prefilling ``prefill_tokens`` prompt tokens between two decode steps of ``bs``
+    running requests (the admission's cost included), µs."""
+    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens, float(bs))
 
 
 def step_times_us(lp: LatencyParams, bs: Any, depth: Any, ctx_tokens: Any, prefill_tokens: Any) -> np.ndarray:
