@@ -452,6 +452,22 @@ def profile(
     return {"trace": os.path.basename(files[-1]), "c": c, "with_stack": with_stack, **summarize_trace(trace, steps)}
 
 
+def profiles(live: list[Server], args: argparse.Namespace, res: Any, book: Book, deadline: float) -> None:
+    """``--profile`` servers at each ``--profile-conc``: all without Python stacks first (the
+    faithful timings), then with them; none started within 25 s of the deadline."""
+    for c in args.profile_conc:
+        for with_stack in (False, True):
+            for label in filter(None, args.profile.split(",")):
+                server = next((s for s in live if s.spec.label == label), None)
+                if server is not None and time.time() < deadline - 25:
+                    key = f"{label}@c{c}" + ("+stack" if with_stack else "")
+                    res.data.setdefault("profile", {})[key] = profile(
+                        server, c, args, run.RES / f"prof_{key.replace('@', '_').replace('+', '_')}",
+                        steps=args.profile_steps, with_stack=with_stack,
+                    )  # fmt: skip
+                    book.flush()
+
+
 def switch_cost(book: Book, server: Server, args: argparse.Namespace, deadline: float) -> None:
     """Depth 0 and 3 held, and switched at every step, by a scripted controller: the switch's cost."""
     import subprocess
@@ -513,12 +529,16 @@ def main() -> int:
     parser.add_argument("--target-out-std", type=float, default=0.02)
     parser.add_argument("--mem-fraction", type=float, default=0.8)
     parser.add_argument("--max-total-tokens", type=int, default=65536)
-    parser.add_argument("--profile", default="", help="comma list of servers to profile if time is left")
+    parser.add_argument("--profile", default="", help="comma list of servers to profile (after the points if time is left)")
     parser.add_argument(
         "--profile-conc", type=lambda s: [int(x) for x in s.split(",")], default=[16],
         help="concurrencies to profile at (comma list); each twice: without Python stacks (timing), then with",
     )  # fmt: skip
     parser.add_argument("--profile-steps", type=int, default=6, help="decode steps per profile")
+    parser.add_argument(
+        "--profile-first", action="store_true",
+        help="profile right after the warm-up, before the timed points (default: after them, if time is left)",
+    )  # fmt: skip
     parser.add_argument("--switch", default="", help="server to time static:0, static:3 and alternate:0,3 on")
     parser.add_argument(
         "--record", action="store_true",
@@ -581,6 +601,8 @@ def main() -> int:
             for c in args.conc:
                 run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c))
         res.event("warm")
+        if args.profile_first:  # a call cut short keeps its profiles rather than its last points
+            profiles(live, args, res, book, deadline)
         for rep in range(1, args.reps + 1):
             for c in args.conc:
                 order = live[rep % len(live) :] + live[: rep % len(live)] if live else []
@@ -597,17 +619,8 @@ def main() -> int:
             server = next((s for s in live if s.spec.label == args.switch), None)
             if server is not None:
                 switch_cost(book, server, args, deadline)
-        for c in args.profile_conc:
-            for with_stack in (False, True):
-                for label in filter(None, args.profile.split(",")):
-                    server = next((s for s in live if s.spec.label == label), None)
-                    if server is not None and time.time() < deadline - 25:
-                        key = f"{label}@c{c}" + ("+stack" if with_stack else "")
-                        res.data.setdefault("profile", {})[key] = profile(
-                            server, c, args, run.RES / f"prof_{key.replace('@', '_').replace('+', '_')}",
-                            steps=args.profile_steps, with_stack=with_stack,
-                        )  # fmt: skip
-                        book.flush()
+        if not args.profile_first:
+            profiles(live, args, res, book, deadline)
     finally:
         for swap in swaps:  # each packs its traces into traces.tar as it stops
             swap.stop()
