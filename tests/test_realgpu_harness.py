@@ -503,3 +503,31 @@ def test_steady_throughput_counts_only_while_every_client_is_busy() -> None:
     assert steady_throughput(timelines[:2], sent[:2], 2) is None  # no request after the first C
     assert steady_throughput([[], *timelines[1:]], sent, 2) is None  # a first request never streamed
     assert steady_throughput(timelines, [0.0, 0.0, 0.5, 0.8], 2) is None  # all sent before the window
+
+
+def test_report_judges_the_steady_throughput_when_asked(tmp_path: Path) -> None:
+    """``--metric steady`` reads each point's ``steady_tok_s`` from ``offswitch.json`` (points
+    without it are left out) and judges the same criteria on it; the whole points can say
+    otherwise, as they did on the H100 testbed, where drain punished drafting."""
+    closed = "closed-mix-256-128~0.7"
+    point = {"workload": closed, "concurrency": 16, "tpot_ms_p99": 12.0, "failed": 0}
+    points = [  # whole points: ppo 0.90x plain; while all clients were busy: 1.05x
+        {**point, "policy": "plain", "rep": 1, "tok_s": 1000.0, "steady_tok_s": 1200.0, "tpot_ms_mean": 8.0},
+        {**point, "policy": "static:0", "rep": 1, "tok_s": 980.0, "steady_tok_s": 1190.0, "tpot_ms_mean": 8.0},
+        {**point, "policy": "ppo", "rep": 1, "tok_s": 900.0, "steady_tok_s": 1260.0, "tpot_ms_mean": 7.0},
+        {**point, "policy": "static:3", "rep": 1, "tok_s": 700.0, "steady_tok_s": None, "tpot_ms_mean": 9.0},
+    ]
+    call = tmp_path / "call"
+    write_csv(call, [(closed, 16, p["policy"], 1, p["tok_s"], p["tpot_ms_mean"]) for p in points])
+    (call / "offswitch.json").write_text(json.dumps({"points": points}))
+    steady = realgpu_report.read_steady_rows([call])
+    assert {r["policy"]: r["tok_s"] for r in steady} == {"plain": 1200.0, "static:0": 1190.0, "ppo": 1260.0}
+    crit_point = realgpu_report.criteria(realgpu_report.read_rows([call]))
+    crit_steady = realgpu_report.criteria(steady)
+    assert crit_point["ppo"]["plain"]["holds"] is False and crit_steady["ppo"]["plain"]["holds"] is True
+    out = tmp_path / "steady.md"
+    assert realgpu_report.main([str(call), "--metric", "steady", "--md", str(out)]) == 0
+    assert out.read_text().startswith("tok/s while all C clients were busy")
+    empty = tmp_path / "old"
+    write_csv(empty, [(closed, 16, "plain", 1, 1000.0, 8.0)])  # a call before steady_tok_s existed
+    assert realgpu_report.main([str(empty), "--metric", "steady"]) == 2

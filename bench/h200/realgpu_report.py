@@ -20,7 +20,12 @@ at that workload and C), each taken per repetition. Criteria, for each controlle
 A criterion with nothing to judge (a workload not measured) says ``n/a``, never ``yes``. Calls
 measured on different GPUs (``offswitch.json``'s ``device``) are refused: report each apart.
 
-Usage: python bench/h200/realgpu_report.py CALL_DIR... [--csv merged.csv] [--md table.md]
+``--metric steady`` judges the same criteria on each point's throughput while all C clients
+were busy (``steady_tok_s`` in ``offswitch.json``, ``loadgen.steady_throughput``) instead of
+the whole point's: short closed-loop points are mostly ramp and drain. Points without it
+(calls before it existed, open-loop points) are left out.
+
+Usage: python bench/h200/realgpu_report.py CALL_DIR... [--metric steady] [--csv merged.csv] [--md table.md]
 """
 
 from __future__ import annotations
@@ -60,6 +65,24 @@ def read_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 rows.append({"workload": r["workload"], "concurrency": int(r["concurrency"]), "policy": r["policy"],
                              "rep": int(r["rep"]), "tok_s": float(r["tok_s"]), "tpot_ms_mean": float(r["tpot_ms_mean"]),
                              "tpot_ms_p99": float(r["tpot_ms_p99"]), "failed": int(r["failed"])})  # fmt: skip
+    return rows
+
+
+def read_steady_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """:func:`read_rows`' rows with ``tok_s`` = the point's ``steady_tok_s``, from the calls'
+    ``offswitch.json``; points without it are left out."""
+    rows: list[dict[str, Any]] = []
+    for p in paths:
+        f = p / "offswitch.json" if p.is_dir() else p.with_name("offswitch.json")
+        if not f.exists():
+            continue
+        for pt in json.loads(f.read_text()).get("points", []):
+            if pt.get("steady_tok_s") is None or not pt["workload"].startswith(MEASURED):
+                continue
+            rows.append({"workload": pt["workload"], "concurrency": int(pt["concurrency"]), "policy": pt["policy"],
+                         "rep": int(pt["rep"]), "tok_s": float(pt["steady_tok_s"]),
+                         "tpot_ms_mean": float(pt["tpot_ms_mean"]), "tpot_ms_p99": float(pt["tpot_ms_p99"]),
+                         "failed": int(pt["failed"])})  # fmt: skip
     return rows
 
 
@@ -274,11 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "calls", type=Path, nargs="+", help="call folders (summary.csv [+ offswitch.json]) or csv files"
     )
+    parser.add_argument(
+        "--metric", choices=("point", "steady"), default="point",
+        help="tok/s of the whole point (summary.csv), or while all C clients were busy (offswitch.json)",
+    )  # fmt: skip
     parser.add_argument("--csv", type=Path, help="write the merged summary.csv here")
     parser.add_argument("--md", type=Path, help="write the markdown table and criteria here")
     parser.add_argument("--json", type=Path, help="write the criteria as JSON here")
     args = parser.parse_args(argv)
-    rows = read_rows(args.calls)
+    rows = read_rows(args.calls) if args.metric == "point" else read_steady_rows(args.calls)
+    if not rows:
+        print(f"realgpu_report: error: no {args.metric} rows in {[str(c) for c in args.calls]}", file=sys.stderr)
+        return 2
     seen: dict[tuple[str, int, str, int], int] = {}
     for r in rows:
         key = (r["workload"], r["concurrency"], r["policy"], r["rep"])
@@ -294,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     crit = criteria(rows, read_hashes(args.calls))
     md = markdown(rows, crit)
+    if args.metric == "steady":
+        md = "tok/s while all C clients were busy (`steady_tok_s`), not over whole points\n\n" + md
     if args.csv:
         with open(args.csv, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=FIELDS)
