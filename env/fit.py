@@ -156,13 +156,14 @@ def _tv(ap: AcceptanceParams, counts: dict) -> float | None:
     return float(np.average(tvs, weights=weights)) if tvs else None
 
 
-def _split(recs: dict[str, list[Step]]) -> tuple[list[Step], list[Step]]:
-    fit, hold = [], []
-    for steps in recs.values():
-        k = int(len(steps) * (1.0 - HOLDOUT_FRAC))
-        fit += steps[:k]
-        hold += steps[k:]
-    return fit, hold
+def _split(recs: dict[str, list[Step]]) -> tuple[dict[str, list[Step]], dict[str, list[Step]]]:
+    """Each instance's first steps to fit on and its last ``HOLDOUT_FRAC`` to score, per file."""
+    cut = {name: int(len(steps) * (1.0 - HOLDOUT_FRAC)) for name, steps in recs.items()}
+    return {n: s[: cut[n]] for n, s in recs.items()}, {n: s[cut[n] :] for n, s in recs.items()}
+
+
+def _flat(recs: dict[str, list[Step]]) -> list[Step]:
+    return [s for steps in recs.values() for s in steps]
 
 
 def _step_arrays(steps: list[Step]) -> tuple[np.ndarray, ...]:
@@ -423,12 +424,13 @@ def fit_sim(
     ep = base.engine
     if traces_dir:
         recs = load_steps(traces_dir)
-        all_steps = [s for steps in recs.values() for s in steps]
+        all_steps = _flat(recs)
         report.n_steps = len(all_steps)
-        fit_steps, hold_steps = _split(recs)
+        fit_recs, hold_recs = _split(recs)
+        fit_steps, hold_steps = _flat(fit_recs), _flat(hold_recs)
         pinned = bool(profiles)  # a profile measured the pass terms: traces add the overheads
         lp_ho = fit_step_latency(lp, fit_steps, overheads_only=pinned)
-        lp_ho, _ = fit_admission(lp_ho, {k: v[: int(len(v) * (1.0 - HOLDOUT_FRAC))] for k, v in recs.items()})
+        lp_ho, _ = fit_admission(lp_ho, fit_recs)
         report.step_mape_holdout = step_mape(lp_ho, hold_steps)
         lp = fit_step_latency(lp, all_steps, overheads_only=pinned)
         lp, n_admit = fit_admission(lp, recs)
