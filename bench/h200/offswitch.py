@@ -132,6 +132,15 @@ class Server(run.Server):
     def start(self, env: dict[str, str]) -> None:
         super().start({**env, **dict(self.kind.env)})
 
+    def controller_swap(self, pack: policyswap.TracePack) -> policyswap.ControllerSwap:
+        """One controller at a time on this hook server's endpoint, its traces recorded under
+        ``pack.records`` and packed as each controller stops."""
+        return policyswap.ControllerSwap(
+            self.endpoint, run.RES, pack.records, run._env(),
+            poke=lambda: run_load(self.url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
+            label=self.spec.label, on_stop=pack.add_new,
+        )  # fmt: skip
+
     def argv(self) -> list[str]:
         a = self.args
         common = ["--model-path", str(run.MODELS / "target"), "--host", "127.0.0.1", "--port", str(self.port),
@@ -165,6 +174,12 @@ class Server(run.Server):
                 "--spec-depths", ",".join(map(str, self.depths)), "--spec-fallback", "0",
                 "--spec-stale-ms", "200", "--spec-instance", f"h200-{self.spec.label}", *self.kind.flags]  # fmt: skip
         return [sys.executable, "-m", "sglang_hook.launch_server", *hook, *common, *spec]
+
+
+def call_traces(out: Path) -> policyswap.TracePack:
+    """This call's recorded traces (a folder per call: a warm machine keeps the last call's),
+    packed into ``out/traces.tar``."""
+    return policyswap.TracePack(run.ROOT / f"traces_{int(run.T0)}", out)
 
 
 def facts(server: Server) -> dict[str, Any]:
@@ -585,15 +600,10 @@ def main() -> int:
         res.event("ready", servers=ready)
         live = [s for s in servers if ready[s.spec.label] == "ready"]
         if args.record:
-            records = run.ROOT / f"traces_{int(run.T0)}"
-            pack = policyswap.TracePack(records, args.out)
+            pack = call_traces(args.out)
             for server in live:
                 if server.kind.hook:
-                    swap = policyswap.ControllerSwap(
-                        server.endpoint, run.RES, records, run._env(),
-                        poke=lambda url=server.url: run_load(url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
-                        label=server.spec.label, on_stop=pack.add_new,
-                    )  # fmt: skip
+                    swap = server.controller_swap(pack)
                     swaps.append(swap)
                     got = swap.use("static:0")
                     run.log(f"recording controller on {server.spec.label}: {got.why}")

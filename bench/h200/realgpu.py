@@ -123,17 +123,11 @@ class Bench:
         self.book = book
         self.by_label = {s.spec.label: s for s in live}
         self.deadline = run.T0 + args.deadline_s
-        self.records = run.ROOT / f"traces_{int(run.T0)}"  # per call: a warm machine keeps the last call's
-        self.pack = policyswap.TracePack(self.records, args.out)
+        self.pack = offswitch.call_traces(args.out)
         # A controller swap per hook server; only the resume stage drives those other than HOOK.
-        self.swaps: dict[str, policyswap.ControllerSwap] = {}
-        for label, server in self.by_label.items():
-            if server.kind.hook:
-                self.swaps[label] = policyswap.ControllerSwap(
-                    server.endpoint, run.RES, self.records, run._env(),
-                    poke=lambda url=server.url: run_load(url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
-                    label=label, on_stop=self.pack.add_new,
-                )  # fmt: skip
+        self.swaps: dict[str, policyswap.ControllerSwap] = {
+            label: server.controller_swap(self.pack) for label, server in self.by_label.items() if server.kind.hook
+        }
 
     def server_for(self, policy: str) -> offswitch.Server | None:
         return self.by_label.get(SERVER_POLICIES.get(policy, HOOK))
@@ -498,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"\n== {prefix}: throughput (tok/s), ratios to plain per repetition\n"
                     + offswitch.table(rows)
                 )
-            points = [p for p in book.points if p["workload"].startswith(prefix)]
-            if prefix == "closed" and points:
+            if prefix == "closed" and rows:
+                points = [p for p in book.points if p["workload"].startswith(prefix)]
                 print("\n== closed, while all C clients were busy: ratios to plain\n"
                       + offswitch.table(points, key="steady_tok_s"))  # fmt: skip
     return 0
