@@ -53,57 +53,56 @@ MEASURED = ("closed", "long", "open")  # workload prefixes of the proof (accept/
 STATIC = re.compile(r"static:(\d+)")  # a static depth (not static:0-skip and the like)
 
 
+def _row(r: dict[str, Any], tok_s: Any) -> dict[str, Any]:
+    """A ``summary.csv`` row (or an ``offswitch.json`` point), typed, with ``tok_s`` as given."""
+    return {"workload": r["workload"], "concurrency": int(r["concurrency"]), "policy": r["policy"],
+            "rep": int(r["rep"]), "tok_s": float(tok_s), "tpot_ms_mean": float(r["tpot_ms_mean"]),
+            "tpot_ms_p99": float(r["tpot_ms_p99"]), "failed": int(r["failed"])}  # fmt: skip
+
+
+def _points_file(p: Path) -> Path:
+    """A call's ``offswitch.json``: in its folder, or beside its ``summary.csv``."""
+    return p / "offswitch.json" if p.is_dir() else p.with_name("offswitch.json")
+
+
+def _points(paths: Iterable[Path]) -> Iterable[dict[str, Any]]:
+    """The proof's points of the calls' ``offswitch.json`` (calls without one add none)."""
+    for p in paths:
+        f = _points_file(p)
+        if f.exists():
+            yield from (pt for pt in json.loads(f.read_text()).get("points", []) if pt["workload"].startswith(MEASURED))
+
+
 def read_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """The rows of ``summary.csv`` files (or folders holding one), typed; the proof's workloads only."""
     rows: list[dict[str, Any]] = []
     for p in paths:
         f = p / "summary.csv" if p.is_dir() else p
         with open(f, newline="") as fh:
-            for r in csv.DictReader(fh):
-                if not r["workload"].startswith(MEASURED):
-                    continue
-                rows.append({"workload": r["workload"], "concurrency": int(r["concurrency"]), "policy": r["policy"],
-                             "rep": int(r["rep"]), "tok_s": float(r["tok_s"]), "tpot_ms_mean": float(r["tpot_ms_mean"]),
-                             "tpot_ms_p99": float(r["tpot_ms_p99"]), "failed": int(r["failed"])})  # fmt: skip
+            rows += [_row(r, r["tok_s"]) for r in csv.DictReader(fh) if r["workload"].startswith(MEASURED)]
     return rows
 
 
 def read_steady_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """:func:`read_rows`' rows with ``tok_s`` = the point's ``steady_tok_s``, from the calls'
     ``offswitch.json``; points without it are left out."""
-    rows: list[dict[str, Any]] = []
-    for p in paths:
-        f = p / "offswitch.json" if p.is_dir() else p.with_name("offswitch.json")
-        if not f.exists():
-            continue
-        for pt in json.loads(f.read_text()).get("points", []):
-            if pt.get("steady_tok_s") is None or not pt["workload"].startswith(MEASURED):
-                continue
-            rows.append({"workload": pt["workload"], "concurrency": int(pt["concurrency"]), "policy": pt["policy"],
-                         "rep": int(pt["rep"]), "tok_s": float(pt["steady_tok_s"]),
-                         "tpot_ms_mean": float(pt["tpot_ms_mean"]), "tpot_ms_p99": float(pt["tpot_ms_p99"]),
-                         "failed": int(pt["failed"])})  # fmt: skip
-    return rows
+    return [_row(pt, pt["steady_tok_s"]) for pt in _points(paths) if pt.get("steady_tok_s") is not None]
 
 
 def read_hashes(paths: Iterable[Path]) -> dict[tuple[str, int, int, str], list[str]]:
     """Per (workload, C, rep, policy): each request's output hash, from the calls' ``offswitch.json``."""
-    out: dict[tuple[str, int, int, str], list[str]] = {}
-    for p in paths:
-        f = p / "offswitch.json" if p.is_dir() else p.with_name("offswitch.json")
-        if not f.exists():
-            continue
-        for pt in json.loads(f.read_text()).get("points", []):
-            if "out_hash" in pt and pt["workload"].startswith(MEASURED):
-                out[(pt["workload"], int(pt["concurrency"]), int(pt["rep"]), pt["policy"])] = pt["out_hash"]
-    return out
+    return {
+        (pt["workload"], int(pt["concurrency"]), int(pt["rep"]), pt["policy"]): pt["out_hash"]
+        for pt in _points(paths)
+        if "out_hash" in pt
+    }
 
 
 def read_devices(paths: Iterable[Path]) -> dict[str, str]:
     """Per call folder, the GPU its ``offswitch.json`` names (``nvidia-smi``'s first field)."""
     out: dict[str, str] = {}
     for p in paths:
-        f = p / "offswitch.json" if p.is_dir() else p.with_name("offswitch.json")
+        f = _points_file(p)
         if f.exists():
             smi = str(json.loads(f.read_text()).get("device", {}).get("nvidia_smi", ""))
             out[str(p)] = smi.split(",")[0].strip() or "unknown"
