@@ -761,6 +761,10 @@ def draft_prefill_hook(
     :func:`draft_kv`) and returns SGLang's zeroed proposal (:func:`prefill_stub`), leaving the
     batch as SGLang's extend leaves it. Anything else, and any failure, runs SGLang's extend."""
     _flush_or_drop(worker)
+
+    def sglangs() -> Any:  # SGLang's extend of this prefill, called as SGLang called it
+        return original(worker, batch, hidden, next_token_ids, *args, **kwargs)
+
     if (
         not _PREFILL.kv
         or getattr(worker, "speculative_num_steps", None) != 0
@@ -770,7 +774,7 @@ def draft_prefill_hook(
         or getattr(worker, PREFILL_OFF_MARK, False)
         or kv_verdict(worker)
     ):
-        return original(worker, batch, hidden, next_token_ids, *args, **kwargs)
+        return sglangs()
     checking = COUNTERS.kv_prefill_checked < _CHECK.prefills
     try:
         ids, positions, hidden_in, loc = prefill_inputs(batch, hidden, next_token_ids)
@@ -782,16 +786,16 @@ def draft_prefill_hook(
         COUNTERS.errors += 1
         setattr(worker, PREFILL_OFF_MARK, True)
         _log_once("kv-prefill", logging.ERROR, "spec controller: KV-only prefill failed; SGLang's from now on", exc=True)
-        return original(worker, batch, hidden, next_token_ids)
+        return sglangs()
     COUNTERS.kv_prefills += 1
     if checking:  # SGLang's extend of the same prefill over the cleared slots; its result is kept
         try:
-            return _check_prefill(original, worker, batch, hidden, next_token_ids, loc)
+            return _check_prefill(sglangs, worker, loc)
         except Exception:
             COUNTERS.errors += 1
             _CHECK.prefills = 0
             _log_once("kv-prefill-check", logging.ERROR, "spec controller: kv prefill check failed; no more", exc=True)
-            return original(worker, batch, hidden, next_token_ids)
+            return sglangs()
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
 
     batch.input_ids = ids  # as SGLang's extend leaves the batch
@@ -799,10 +803,11 @@ def draft_prefill_hook(
     return out
 
 
-def _check_prefill(original: Any, worker: Any, batch: Any, hidden: Any, next_token_ids: Any, loc: Any) -> Any:
+def _check_prefill(run_sglang: Any, worker: Any, loc: Any) -> Any:
     """``ENV_OFF_DRAFT_CHECK`` for ``ENV_OFF_PREFILL``: the stored keys and values against what
-    SGLang's extend of the same prefill stores in the same slots (:func:`_against_sglang`)."""
-    out, same, dk, dv, _ = _against_sglang(worker, loc, lambda: original(worker, batch, hidden, next_token_ids))
+    SGLang's extend of the same prefill (``run_sglang()``) stores in the same slots
+    (:func:`_against_sglang`)."""
+    out, same, dk, dv, _ = _against_sglang(worker, loc, run_sglang)
     c = COUNTERS
     c.kv_prefill_checked += 1
     c.kv_prefill_identical += int(same)
