@@ -20,6 +20,7 @@ only. Usage: ``python bench/h200/trace_points.py TRACE.msgpack.gz [...]``.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -65,6 +66,12 @@ def describe(point: list[dict]) -> dict[str, float]:
     }
 
 
+def label(path: Path) -> str:
+    """``<policy>-<instance>-<start ns>.msgpack.gz`` without its start (which names the
+    controller run, not the server), so two servers' traces of one policy read apart."""
+    return re.sub(r"-\d{10,}\.msgpack(\.gz)?$", "", path.name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+", type=Path)
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             d = describe(p)
             print(
-                f"| {path.name.split('-h200')[0]} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
+                f"| {label(path)} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
                 f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} | {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} |"
             )
     return 0
