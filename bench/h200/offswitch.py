@@ -452,19 +452,27 @@ def profile(
         th.join()
         return {"error": f"start_profile: {exc}"}
     th.join()
+    # The trace is written after the last profiled step, asynchronously, and a trace with Python
+    # stacks takes long to write: read it once its size has stopped changing.
     files: list[str] = []
-    for _ in range(40):  # the trace is written after the last profiled step, asynchronously
+    size = -1
+    for _ in range(120):
         files = sorted(glob.glob(str(out_dir / "**" / "*.json*"), recursive=True))
-        if files:
+        now = os.path.getsize(files[-1]) if files else -1
+        if files and now == size:
             break
-        time.sleep(0.5)
+        size = now
+        time.sleep(1.0)
     if not files:
         return {"error": "no trace written"}
-    time.sleep(1.0)
-    opener: Any = gzip.open if files[-1].endswith(".gz") else open
-    with opener(files[-1], "rt") as fh:
-        trace = json.load(fh)
-    return {"trace": os.path.basename(files[-1]), "c": c, "with_stack": with_stack, **summarize_trace(trace, steps)}
+    try:
+        opener: Any = gzip.open if files[-1].endswith(".gz") else open
+        with opener(files[-1], "rt") as fh:
+            trace = json.load(fh)
+        summary = summarize_trace(trace, steps)
+    except Exception as exc:  # a profile is a diagnostic: the call's points matter more
+        return {"error": f"{type(exc).__name__}: {exc}", "trace": os.path.basename(files[-1])}
+    return {"trace": os.path.basename(files[-1]), "c": c, "with_stack": with_stack, **summary}
 
 
 def profiles(live: list[Server], args: argparse.Namespace, res: Any, book: Book, deadline: float) -> None:
@@ -476,10 +484,13 @@ def profiles(live: list[Server], args: argparse.Namespace, res: Any, book: Book,
                 server = next((s for s in live if s.spec.label == label), None)
                 if server is not None and time.time() < deadline - 25:
                     key = f"{label}@c{c}" + ("+stack" if with_stack else "")
-                    res.data.setdefault("profile", {})[key] = profile(
+                    t0 = time.time()
+                    res.data.setdefault("profile", {})[key] = got = profile(
                         server, c, args, run.RES / f"prof_{key.replace('@', '_').replace('+', '_')}",
                         steps=args.profile_steps, with_stack=with_stack,
                     )  # fmt: skip
+                    got["wall_s"] = round(time.time() - t0, 1)
+                    res.event("profiled", key=key, s=got["wall_s"], error=got.get("error"))
                     book.flush()
 
 
