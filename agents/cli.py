@@ -67,14 +67,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=float,
         default=None,
         help="the warm start's expert drafts once to look at the drafter after spec_staleness reaches "
-        "this at depth 0 (1 − exp(−steps/50): default 0.9, about 115 steps; 0 = never probes)",
+        "this at depth 0 (1 − exp(−steps/50): default 0.5, about 35 steps, postponed by --probe-cost-steps; "
+        "0 = never probes)",
     )
     t.add_argument(
         "--probe-cost-steps",
         type=float,
         default=None,
         help="postpone that probe by this many steps × the share of depth 0's goodput a probe step "
-        "gives up on the fitted model (default 0: a fixed staleness; docs/results.md has a comparison)",
+        "gives up on the fitted model (default 400; 0: a fixed staleness; docs/results.md has a comparison)",
     )
     t.add_argument(
         "--off-draft",

@@ -94,14 +94,16 @@ class TrainConfig:
             (``controller.ppo_policy.model_features``; the zip carries the table).
         bc_time_weighted: weigh cloned states by their share of request-time.
         bc_probe_staleness: the realistic expert's probe (:class:`ProbeRule`): draft at
-            ``bc_probe_depth`` once ``spec_staleness`` reaches this (0.9: about 115 steps
-            without drafting; 0 = no probe), and keep drafting there while the estimate is
-            rising (``accept_trend`` > 0) and within ``bc_probe_keep`` of depth 0's goodput.
+            ``bc_probe_depth`` once ``spec_staleness`` reaches this (0.5: about 35 steps
+            without drafting, postponed by ``bc_probe_cost_steps``; 0 = no probe), and keep
+            drafting there while the estimate is rising (``accept_trend`` > 0) and within
+            ``bc_probe_keep`` of depth 0's goodput.
         bc_probe_depth: the depth a probe drafts at.
         bc_probe_keep: goodput ratio (to depth 0) above which a rising probe continues.
         bc_probe_cost_steps: postpone the probe by this many steps × the share of depth 0's
-            goodput a probe step gives up (the model's estimate; :meth:`ProbeRule.threshold`);
-            0 = the fixed ``bc_probe_staleness``.
+            goodput a probe step gives up (the model's estimate; :meth:`ProbeRule.threshold`):
+            400, so a probe where drafting costs little (small batches) comes early and one where
+            it costs much (large batches) late; 0 = the fixed ``bc_probe_staleness``.
         bc_epochs: passes over the aggregated states per round.
         save_warm_start: also save the policy before PPO as ``warmstart.zip`` (ablation).
         reward: ``"regret"`` (module docstring) or ``"extra-tokens"`` (SpecDecode-v0's own:
@@ -149,10 +151,10 @@ class TrainConfig:
     bc_time_weighted: bool = True
     model_features: bool = True
     bc_expert: float = 0.0
-    bc_probe_staleness: float = 0.9
+    bc_probe_staleness: float = 0.5
     bc_probe_depth: int = 2
     bc_probe_keep: float = 0.85
-    bc_probe_cost_steps: float = 0.0
+    bc_probe_cost_steps: float = 400.0
     objective: str = "throughput"
     slo_credit: str = "step"
     bc_slo_labels: str = "step"

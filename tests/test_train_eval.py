@@ -247,7 +247,7 @@ def test_the_realistic_experts_probe_drafts_after_a_stretch_at_depth_0_and_ends_
     from agents.train import ProbeRule
     from controller.features import Featurizer
 
-    cfg = replace(TINY, bc_probe_staleness=0.9, bc_probe_depth=2, bc_probe_keep=0.85)
+    cfg = replace(TINY, bc_probe_staleness=0.9, bc_probe_cost_steps=0.0, bc_probe_depth=2, bc_probe_keep=0.85)
     rule = ProbeRule.for_config(cfg)
     assert rule is not None and rule.action == cfg.depths.index(2)
     names = Featurizer(cfg.depths).feature_names
