@@ -531,3 +531,45 @@ def test_report_judges_the_steady_throughput_when_asked(tmp_path: Path) -> None:
     empty = tmp_path / "old"
     write_csv(empty, [(closed, 16, "plain", 1, 1000.0, 8.0)])  # a call before steady_tok_s existed
     assert realgpu_report.main([str(empty), "--metric", "steady"]) == 2
+
+
+def test_the_stack_sampler_finds_where_a_scheduler_spends_its_time(tmp_path: Path) -> None:
+    """``offswitch --sample``: a process titled like SGLang's scheduler, with the sampler's
+    ``sitecustomize`` first on its path, spends most of a window in ``busy`` and a little in
+    ``idle``; the summary ranks them so, and a process without ``scheduler`` in its title is
+    left out."""
+    import offswitch
+
+    code = (
+        "import time\n"
+        "def busy(t):\n"
+        "    end = time.time() + t\n"
+        "    while time.time() < end:\n"
+        "        sum(range(200))\n"
+        "def idle(t):\n"
+        "    time.sleep(t)\n"
+        "end = time.time() + 3.0\n"
+        "while time.time() < end:\n"
+        "    busy(0.04)\n"
+        "    idle(0.01)\n"
+    )
+    env = {**os.environ, "SPECDEPTH_STACK_DIR": str(tmp_path),
+           "PYTHONPATH": f"{offswitch.STACKS}:{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, "sglang::scheduler"], env=env),
+        subprocess.Popen([sys.executable, "-c", code, "detokenizer"], env=env),
+    ]
+    time.sleep(0.8)
+    (tmp_path / "on").touch()
+    time.sleep(1.5)
+    (tmp_path / "on").unlink()
+    for p in procs:
+        assert p.wait(timeout=30) == 0
+    assert len(list(tmp_path.glob("*.json"))) == 2  # one window per process
+    got = offswitch.stack_summary(tmp_path, tok_s=1000.0)
+    assert [w["pid"] for w in got["windows"]] == [procs[0].pid]
+    share = {r["name"].rsplit(":", 1)[-1]: r["share"] for r in got["inclusive"]}
+    assert 0.6 < share["busy"] < 0.95 and 0.05 < share["idle"] < 0.35, share
+    assert share["<module>"] == 1.0
+    assert got["inclusive"][0]["us_per_tok"] == pytest.approx(1000.0)  # 1 s / 1000 tokens, all of it
+    assert got["self"][0]["name"].split(":")[-2] in ("busy", "<genexpr>") or "busy" in got["self"][0]["name"]

@@ -495,6 +495,105 @@ def profiles(live: list[Server], args: argparse.Namespace, res: Any, book: Book,
                     book.flush()
 
 
+STACKS = HERE / "stacksample"  # the sitecustomize that samples a server's Python stacks
+
+
+def stack_summary(out_dir: Path, tok_s: float, top: int = 45) -> dict[str, Any]:
+    """The scheduler's main thread from ``stacksample``'s windows under ``out_dir``: each
+    function's share of the samples that have it on the stack (inclusive) and at the top
+    (self), with the µs per output token that share is at the window's ``tok_s``."""
+    inclusive: dict[str, int] = {}  # microseconds, as the sampler weighs its samples
+    leaf: dict[str, int] = {}
+    stacks: dict[str, int] = {}
+    total = 0
+    windows = []
+    for path in sorted(out_dir.glob("*.json")):
+        rec = json.loads(path.read_text())
+        if "scheduler" not in rec.get("cmdline", ""):
+            continue
+        windows.append({"pid": rec["pid"], "seconds": rec["seconds"], "samples": rec["samples"]})
+        for thread, per in rec["threads"].items():
+            if not thread.startswith("MainThread#"):
+                continue
+            for stack, n in per.items():
+                total += n
+                frames, line = stack.rsplit(":", 1)
+                names = frames.split(";")
+                for name in set(names):
+                    inclusive[name] = inclusive.get(name, 0) + n
+                leaf[f"{names[-1]}:{line}"] = leaf.get(f"{names[-1]}:{line}", 0) + n
+                short = ";".join(x.rsplit("/", 1)[-1] for x in names[-7:]) + ":" + line
+                stacks[short] = stacks.get(short, 0) + n
+    if not total:
+        return {"error": "no scheduler samples", "windows": windows}
+    us = 1e6 / tok_s if tok_s > 0 else 0.0
+
+    def rank(d: dict[str, int], k: int) -> list[dict[str, Any]]:
+        rows = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+        return [
+            {"name": n, "share": round(c / total, 4), "us_per_tok": round(c / total * us, 2)} for n, c in rows
+        ]
+
+    return {"sampled_s": round(total / 1e6, 2), "windows": windows, "tok_s": round(tok_s, 1), "us_per_tok": round(us, 2),
+            "inclusive": rank(inclusive, 4 * top), "self": rank(leaf, top), "stacks": rank(stacks, top)}  # fmt: skip
+
+
+def sample_stacks(
+    live: list[Server], args: argparse.Namespace, res: Any, book: Book, deadline: float
+) -> None:
+    """``--sample`` servers: ``--sample-s`` seconds of their scheduler's stacks at each
+    ``--sample-conc``, under a load of drawn lengths that outlasts the window."""
+    for c in args.sample_conc:
+        for label in filter(None, args.sample.split(",")):
+            server = next((s for s in live if s.spec.label == label), None)
+            if server is None or time.time() > deadline - args.sample_s - 15:
+                continue
+            out_dir = run.RES / f"stacks_{label}"
+            for old in out_dir.glob("*.json"):
+                old.unlink()
+            n = max(4 * c, int((args.sample_s + 6) * 30))  # ~25 requests/s at C=64 on an H100
+            spec = LoadSpec(c, n, args.input_tokens, args.output_tokens, seed=7777 + c,
+                            output_sigma=args.output_sigma or 0.7)  # fmt: skip
+            box: dict[str, Any] = {}
+            th = threading.Thread(
+                target=lambda url, sp, b: b.update(m=run_load(url, sp, timeout_s=120)),
+                args=(server.url, spec, box),
+            )
+            th.start()
+            time.sleep(2.0)
+            (out_dir / "on").touch()
+            t0 = time.time()
+            time.sleep(args.sample_s)
+            (out_dir / "on").unlink()
+            th.join()
+            m = box.get("m", {})
+            # the window's rate: tokens over the load's whole wall is close while the load outlasts it
+            tok_s = float(m.get("steady_tok_s") or m.get("throughput_tok_s") or 0.0)
+            time.sleep(1.5)  # the sampler writes its window when the trigger goes
+            key = f"{label}@c{c}"
+            res.data.setdefault("stacks", {})[key] = got = stack_summary(out_dir, tok_s)
+            got["load_wall_s"] = round(float(m.get("wall_s", 0.0)), 1)
+            res.event("sampled", key=key, s=round(time.time() - t0, 1), sampled_s=got.get("sampled_s"))
+            book.flush()
+
+
+def print_stacks(stacks: dict[str, Any]) -> None:
+    """Each sampled server's heaviest functions, in µs per output token, beside the plain
+    server's at the same C (the difference is what the server spends that plain does not)."""
+    for key, got in stacks.items():
+        label, c = key.split("@")
+        base = stacks.get(f"plain@{c}", {})
+        ref = {r["name"]: r["us_per_tok"] for r in base.get("inclusive", [])}
+        print(f"\n== stacks {key}: {got.get('sampled_s')} s sampled, {got.get('us_per_tok')} us/token "
+              f"(plain {base.get('us_per_tok')}) {got.get('error', '')}")  # fmt: skip
+        for r in got.get("inclusive", [])[:40]:
+            print(
+                f"   incl {r['share']:6.1%} {r['us_per_tok']:8.2f} us/tok  plain {ref.get(r['name'], 0.0):8.2f}  {r['name'][-110:]}"
+            )
+        for r in got.get("self", [])[:20]:
+            print(f"   self {r['share']:6.1%} {r['us_per_tok']:8.2f} us/tok  {r['name'][-120:]}")
+
+
 def switch_cost(book: Book, server: Server, args: argparse.Namespace, deadline: float) -> None:
     """Depth 0 and 3 held, and switched at every step, by a scripted controller: the switch's cost."""
     import subprocess
@@ -571,6 +670,12 @@ def main() -> int:
         "--profile-first", action="store_true",
         help="profile right after the warm-up, before the timed points (default: after them, if time is left)",
     )  # fmt: skip
+    parser.add_argument(
+        "--sample", default="",
+        help="servers whose scheduler stacks are sampled (stacksample/) after the warm-up, before the points",
+    )  # fmt: skip
+    parser.add_argument("--sample-conc", default="64", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--sample-s", type=float, default=12.0, help="seconds sampled per server and C")
     parser.add_argument("--switch", default="", help="server to time static:0, static:3 and alternate:0,3 on")
     parser.add_argument(
         "--record", action="store_true",
@@ -606,7 +711,12 @@ def main() -> int:
             return 1
         for i, label in enumerate(args.servers.split(",")):
             server = Server(label, KINDS[label], 31000 + i, args)
-            server.start(run._env())
+            env = run._env()
+            if label in args.sample.split(","):
+                (run.RES / f"stacks_{label}").mkdir(parents=True, exist_ok=True)
+                env["SPECDEPTH_STACK_DIR"] = str(run.RES / f"stacks_{label}")
+                env["PYTHONPATH"] = f"{STACKS}:{env['PYTHONPATH']}"
+            server.start(env)
             servers.append(server)
             time.sleep(3.0)  # staggered: each measures free memory after the last one's weights
         ready = {}
@@ -628,6 +738,7 @@ def main() -> int:
             for c in args.conc:
                 run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c))
         res.event("warm")
+        sample_stacks(live, args, res, book, deadline)  # short (about 20 s a server): before the points
         if args.profile_first:  # a call cut short keeps its profiles rather than its last points
             profiles(live, args, res, book, deadline)
         for rep in range(1, args.reps + 1):
@@ -674,6 +785,7 @@ def main() -> int:
                 print(f"   eager {e['n']:5.1f}/step {e['us']:7.1f} us  {e['name']}")
             for w in t.get("waited_for", [])[:6]:
                 print(f"   waited {w['us_per_step']:7.1f} us/step (n={w['n']}) for {w['launch'][:240]}")
+        print_stacks(res.data.get("stacks", {}))
         closed = [r for r in book.rows if r["workload"].startswith("closed")]
         print("\n== throughput (tok/s), ratios to plain per repetition\n" + table(closed))
         steady = [p for p in book.points if p["workload"].startswith("closed")]
