@@ -349,3 +349,38 @@ def test_an_admission_cost_split_over_two_records_is_recovered(tmp_path):
     assert n == n0
     assert lp.admit_us == pytest.approx(a_us, rel=0.15) and lp.admit_seq_us == pytest.approx(b_us, rel=0.15)
     assert fit_admission(base, {k: v[:5] for k, v in recs.items()})[1] == 0  # too few: unchanged
+
+
+def test_the_simulator_prices_an_admitting_step_as_the_fit_reads_it():
+    """One formula for an admission: the engine's step that admits requests costs
+    ``step_time_us`` of its own record's fields (what ``fit_admission`` and ``step_mape`` evaluate),
+    admission terms included; and ``fit_admission`` on the simulator's own records recovers the
+    terms it ran with (it charges the whole admission to the record that counts the prefill, so
+    the pair's excess is that record's)."""
+    from env.engine import Engine
+    from env.fit import fit_admission
+
+    h200 = load_deployment("h200-llama8b")
+    a_us, b_us = 25_000.0, 200.0
+    lat = replace(h200.latency, admit_us=a_us, admit_seq_us=b_us, jitter=0.0)
+    params = replace(h200, latency=lat, engine=replace(h200.engine, prefix_cache_hit=0.99))
+    recs = []
+    for c in (4, 16, 48):
+        eng = Engine(params, f"closed:{c}@prompt=256,output=40~0.7,n={6 * c}")
+        steps, seen = [], 0
+        while not eng.done:
+            rec = eng.step(3 if c == 16 else 0)
+            steps.append(rec)
+            if rec.prefill_tokens > 0:
+                seen += 1
+                want = step_time_us(lat, rec.bs, rec.depth, rec.ctx_tokens, rec.prefill_tokens)
+                assert eng.last_model_us == want  # the same kernel, the same float
+                assert eng.last_busy_us == int(want)  # no jitter: the record's busy time
+        assert seen >= 10
+        recs.append(steps)
+    fitted, n = fit_admission(
+        replace(lat, admit_us=0.0, admit_seq_us=0.0), {str(i): s for i, s in enumerate(recs)}
+    )
+    assert n >= 30
+    assert fitted.admit_us == pytest.approx(a_us, rel=0.05)
+    assert fitted.admit_seq_us == pytest.approx(b_us, rel=0.1)
