@@ -25,6 +25,12 @@ With ``--record`` each hook server (and ``plain-rec``) gets a recording controll
 ``static:0`` and the traces come back in ``traces.tar`` (``bench/h200/trace_points.py`` reads
 them: where each point's time went, what an admission cost).
 
+With ``--sample`` the listed servers start with ``stacksample/`` on their ``PYTHONPATH``, and
+after the warm-up each one's scheduler stacks are sampled for ``--sample-s`` seconds at each
+``--sample-conc`` under drawn lengths: ``stacks`` in ``offswitch.json`` ranks the functions
+by their share of the scheduler's wall time and its µs per output token, and the log prints
+them beside plain's.
+
 Every request is greedy with random token-id prompts; requests with the same (repetition,
 concurrency, index) are the same on every server, so outputs are compared token for token.
 The default target (``--target-out-std 0.02``) makes each token depend on the whole context, so
