@@ -568,6 +568,10 @@ def test_the_stack_sampler_finds_where_a_scheduler_spends_its_time(tmp_path: Pat
     assert len(list(tmp_path.glob("*.json"))) == 2  # one window per process
     got = offswitch.stack_summary(tmp_path, tok_s=1000.0)
     assert [w["pid"] for w in got["windows"]] == [procs[0].pid]
+    (window,) = got["windows"]
+    main = next(v for k, v in window["sched_ms"].items() if k.startswith("MainThread#"))
+    assert 300 < main[0] < 1600 and main[1] >= 0  # about 1.2 s busy of the 1.5 s window
+    assert window["gc"]["ms"] >= 0 and window["affinity"]
     share = {r["name"].rsplit(":", 1)[-1]: r["share"] for r in got["inclusive"]}
     assert 0.6 < share["busy"] < 0.95 and 0.05 < share["idle"] < 0.35, share
     assert share["<module>"] == 1.0

@@ -517,7 +517,7 @@ def stack_summary(out_dir: Path, tok_s: float, top: int = 45) -> dict[str, Any]:
         rec = json.loads(path.read_text())
         if "scheduler" not in rec.get("cmdline", ""):
             continue
-        windows.append({"pid": rec["pid"], "seconds": rec["seconds"], "samples": rec["samples"]})
+        windows.append({k: rec.get(k) for k in ("pid", "seconds", "samples", "sched_ms", "gc", "affinity", "loadavg")})
         for thread, per in rec["threads"].items():
             if not thread.startswith("MainThread#"):
                 continue
@@ -592,6 +592,9 @@ def print_stacks(stacks: dict[str, Any]) -> None:
         ref = {r["name"]: r["us_per_tok"] for r in base.get("inclusive", [])}
         print(f"\n== stacks {key}: {got.get('sampled_s')} s sampled, {got.get('us_per_tok')} us/token "
               f"(plain {base.get('us_per_tok')}) {got.get('error', '')}")  # fmt: skip
+        for w in got.get("windows", []):
+            print(f"   window pid {w['pid']}: sched ms (on cpu, waiting, slices) {w.get('sched_ms')} gc {w.get('gc')} "
+                  f"cpus {len(w.get('affinity') or [])} loadavg {w.get('loadavg')}")  # fmt: skip
         for r in got.get("inclusive", [])[:40]:
             print(
                 f"   incl {r['share']:6.1%} {r['us_per_tok']:8.2f} us/tok  plain {ref.get(r['name'], 0.0):8.2f}  {r['name'][-110:]}"
