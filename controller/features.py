@@ -65,8 +65,9 @@ T = TypeVar("T")
 # (goodput then drafted at 64-128 requests, where depth 0 was 2x faster).
 # 5: nor does the step before an admitting one. SGLang's overlap scheduler records most of an
 # admission's time in the record before the one that counts the prefilled tokens (H100 drawn
-# traces: median ~30 ms over a decode step there, ~4 ms in the counting record), so the table
-# takes a record only once the next one is known: one record late.
+# traces, one request admitted: median 31 ms over a decode step there, 5 ms in the counting
+# record; bench/admission_latency_table.py), so the table takes a record only once the next
+# one is known: one record late.
 FEATURIZER_VERSION = 5
 # Versions whose policies this Featurizer still serves: a user's zip keeps working after an
 # upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2)
