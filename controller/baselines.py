@@ -334,6 +334,7 @@ class GoodputPolicy:
         self._zero_run = 0
         self._probe_gap = self.probe_zero_every
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, action) -> last step measured
+        self._pending: tuple[int, int, int] | None = None  # (bucket, action, step) not yet measured
 
     def expected_tokens(self, obs: np.ndarray) -> list[float]:
         """Expected tokens per request-step at each allowed depth: the observation's
@@ -364,10 +365,14 @@ class GoodputPolicy:
             return best
         # Measured-table mode: the observation's goodput_k is log(tokens/s at k ÷ at depth 0)
         # from this bucket's measured latencies, or the running ratio over buckets where one is
-        # missing. Steps that admitted requests do not measure a depth (Featurizer version 4).
+        # missing. As in the Featurizer (version 5), a step measures its depth once the next
+        # one is known, and neither a step that admitted requests nor the one before it does.
         bucket = bs_bucket(step.bs)
+        if self._pending is not None and step.prefill_tokens == 0:
+            self._seen[self._pending[:2]] = self._pending[2]
+        self._pending = None
         if step.depth in self.depths and step.prefill_tokens == 0:
-            self._seen[(bucket, self.depths.index(step.depth))] = self._t
+            self._pending = (bucket, self.depths.index(step.depth), self._t)
         if self._t % self.probe_every == 0:
             stalest = min(range(len(self.depths)), key=lambda a: self._seen.get((bucket, a), -(10**9)))
             if self._t - self._seen.get((bucket, stalest), -(10**9)) > 5 * self.probe_every:

@@ -33,7 +33,9 @@ feature                    meaning
                            drafted the evidence ages and the estimate returns to the prior
 ``tokens_k`` (k ∈ D)       expected tokens per request-step at depth k, / (k + 1)
 ``lat_ratio_k`` (k ∈ D)    log(step time at depth k / at depth 0) for the current batch-size
-                           bucket (else the running ratio over buckets; 0 if never), ±2
+                           bucket (else the running ratio over buckets; 0 if never), ±2; from
+                           decode steps only: a record enters one record late, and not when
+                           it or the next one admitted requests (``prefill_tokens`` > 0)
 ``lat_stale_k`` (k ∈ D)    1 − exp(−steps since depth k was last observed / 200)
 ``goodput_k`` (k ∈ D)      log(tokens_k·(k+1) / latency ratio), expected tokens per second
                            relative to depth 0, clipped to ±2
@@ -61,11 +63,17 @@ T = TypeVar("T")
 # a depth-0 step without admissions, even with the prompts in the prefix cache: the cost is the
 # admission's, not the depth's, and whichever depth happened to admit read as the slow one
 # (goodput then drafted at 64-128 requests, where depth 0 was 2x faster).
-FEATURIZER_VERSION = 4
+# 5: nor does the step before an admitting one. SGLang's overlap scheduler records most of an
+# admission's time in the record before the one that counts the prefilled tokens (H100 drawn
+# traces, one request admitted: median 31 ms over a decode step there, 5 ms in the counting
+# record; bench/admission_latency_table.py), so the table takes a record only once the next
+# one is known: one record late.
+FEATURIZER_VERSION = 5
 # Versions whose policies this Featurizer still serves: a user's zip keeps working after an
 # upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2)
-# and in which steps the latency table takes (every step, versions 2-3).
-SUPPORTED_VERSIONS = (2, 3, 4)
+# and in which steps the latency table takes (every step, versions 2-3; not an admitting one,
+# version 4; nor the one before it, version 5).
+SUPPORTED_VERSIONS = (2, 3, 4, 5)
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
 N_BS_BUCKETS = 10
@@ -88,11 +96,14 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 
 
 # Layout of the state array: scalars first, then the per-position and per-depth tables.
-# _TREND_FADE: the per-step fade of accept_trend without drafting, and _LAT_DECODE_ONLY: 1 when
-# steps that admitted requests stay out of the latency table; both set by the version.
+# _TREND_FADE: the per-step fade of accept_trend without drafting, _LAT_DECODE_ONLY: 1 when
+# steps that admitted requests stay out of the latency table, _LAT_LAG: 1 when a record enters
+# it only with the next one (and not when that one admits); all three set by the version.
+# _PEND_*: the record waiting for its successor (version 5): its depth index (-1: none), the
+# start of its latency row, its step_us, its step index.
 (_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE,
- _LAT_DECODE_ONLY) = range(11)  # fmt: skip
-_HEAD = 11
+ _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T) = range(16)  # fmt: skip
+_HEAD = 16
 _NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
 
 
@@ -180,6 +191,8 @@ class Featurizer:
         st[_LAST_SPEC] = _NEVER
         st[_TREND_FADE] = STALE_DECAY if self.version >= 3 else 1.0
         st[_LAT_DECODE_ONLY] = 1.0 if self.version >= 4 else 0.0
+        st[_LAT_LAG] = 1.0 if self.version >= 5 else 0.0
+        st[_PEND_DI] = -1.0
         st[ratio] = 1.0
         st[seen:] = _NEVER
         self._state = st
@@ -356,6 +369,19 @@ def _clip2(x: float) -> float:
 
 
 @maybe_njit
+def _lat_enter(st: np.ndarray, o_row: int, o_ratio: int, o_seen: int, di: int, step_us: float, t: float) -> None:
+    """Enter one record's step time (``step_us``, at the ``di``-th allowed depth, step index
+    ``t``) into the latency row at ``o_row``, the running ratio and the last-seen table."""
+    old = st[o_row + di]
+    st[o_row + di] = step_us if old == 0.0 else old + LAT_ALPHA * (step_us - old)
+    if di > 0 and st[o_row] > 0.0:
+        r = st[o_ratio + di]
+        sample = step_us / st[o_row]
+        st[o_ratio + di] = sample if r == 0.0 else r + LAT_ALPHA * (sample - r)
+    st[o_seen + di] = t
+
+
+@maybe_njit
 def _fold(
     st: np.ndarray,
     depths: np.ndarray,
@@ -422,16 +448,24 @@ def _fold(
         st[_LAST_SPEC] = t
 
     # Latency table per (bs bucket, depth); EMA so drift is followed. A step that admitted
-    # requests also timed their admission, whatever the depth (version 4 leaves it out).
+    # requests also timed their admission, whatever the depth (version 4 leaves it out); under
+    # SGLang's overlap scheduler so did, mostly, the step before it (version 5 leaves both out:
+    # a record waits for the next one, and enters only if neither admitted).
     decode_step = st[_LAT_DECODE_ONLY] == 0.0 or prefill_tokens == 0
-    if di >= 0 and step_us > 0 and decode_step:
-        old = st[o_row + di]
-        st[o_row + di] = float(step_us) if old == 0.0 else old + LAT_ALPHA * (step_us - old)
-        if di > 0 and st[o_row] > 0.0:
-            r = st[o_ratio + di]
-            sample = step_us / st[o_row]
-            st[o_ratio + di] = sample if r == 0.0 else r + LAT_ALPHA * (sample - r)
-        st[o_seen + di] = t
+    if st[_LAT_LAG] == 0.0:
+        if di >= 0 and step_us > 0 and decode_step:
+            _lat_enter(st, o_row, o_ratio, o_seen, di, float(step_us), t)
+    else:
+        pdi = int(st[_PEND_DI])
+        if pdi >= 0 and prefill_tokens == 0:
+            _lat_enter(st, int(st[_PEND_ROW]), o_ratio, o_seen, pdi, st[_PEND_US], st[_PEND_T])
+        if di >= 0 and step_us > 0 and decode_step:
+            st[_PEND_DI] = float(di)
+            st[_PEND_ROW] = float(o_row)
+            st[_PEND_US] = float(step_us)
+            st[_PEND_T] = t
+        else:
+            st[_PEND_DI] = -1.0
 
     bs_f = math.log1p(bs) * _INV_LOG_257
     if st[_HAS_LAST] == 0.0:

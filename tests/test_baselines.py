@@ -166,6 +166,28 @@ def test_goodput_measured_table_mode_uses_observed_latency():
     assert DEPTHS[a] != 0
 
 
+def test_goodput_takes_depth_0_as_measured_only_when_the_featurizer_does():
+    """Depth 0 is measured before drafting in a new batch-size bucket; a depth-0 step followed
+    by an admitting one does not measure it (Featurizer version 5: that step timed most of the
+    admission), so goodput runs depth 0 again instead of drafting on the running ratio."""
+    policy = make_factory("builtin:goodput", DEPTHS)(DEPTHS)
+    feat = Featurizer(DEPTHS)
+
+    def act(s: Step) -> int:
+        return DEPTHS[policy.act(feat.update(s), s)]
+
+    seq = 0
+    for _ in range(20):  # bs 8: depth 3 costs 1.1x depth 0 and accepts everything
+        act(make_step(seq := seq + 1, 0, 8, step_us=10_000))
+        act(make_step(seq := seq + 1, 3, 8, [3] * 8, step_us=11_000))
+    act(make_step(seq := seq + 1, 0, 64, step_us=40_000))  # timed the admission counted next
+    admitting = make_step(seq := seq + 1, 3, 64, [3] * 64, step_us=12_000)
+    admitting.prefill_tokens = 8
+    assert act(admitting) == 0 and feat.latency_us(0, 64) == 0.0  # depth 0 unmeasured at bs 64
+    act(make_step(seq := seq + 1, 0, 64, step_us=10_000))
+    assert act(make_step(seq := seq + 1, 0, 64, step_us=10_000)) in (3, 5)  # measured: drafts
+
+
 def test_bandit_converges_to_the_best_arm_and_credits_the_depth_that_ran():
     policy = BanditPolicy("bandit", DEPTHS)
     feat = Featurizer(DEPTHS)

@@ -241,7 +241,7 @@ def test_acceptance_converges_to_the_true_conditional_rate(true_p: float) -> Non
 
 
 def test_latency_ratio_known_values_and_fallback() -> None:
-    f = Featurizer(DEPTHS)
+    f = Featurizer(DEPTHS, version=4)  # each record enters at once; version 5: one record late
     idx = names(f)
     assert f.latency_ratio(2, 8) is None
     f.update(step(0, 0, [], bs=8, step_us=10_000))
@@ -260,7 +260,7 @@ def test_latency_ratio_known_values_and_fallback() -> None:
 
 
 def test_ratios_are_clipped() -> None:
-    f = Featurizer(DEPTHS)
+    f = Featurizer(DEPTHS, version=4)  # each record enters at once; version 5: one record late
     idx = names(f)
     f.update(step(0, 0, [], bs=2, step_us=1_000))
     obs = f.update(step(1, 5, [5, 5], step_us=1_000_000))
@@ -268,7 +268,7 @@ def test_ratios_are_clipped() -> None:
 
 
 def test_staleness_features() -> None:
-    f = Featurizer(DEPTHS)
+    f = Featurizer(DEPTHS, version=4)  # each record enters at once; version 5: one record late
     idx = names(f)
     f.update(step(0, 2, [1]))
     for seq in range(1, 51):
@@ -335,8 +335,7 @@ def test_a_step_that_admitted_requests_stays_out_of_the_latency_table() -> None:
     for a depth-0 decode step). Its time does not become depth 0's latency at batch 64, so
     depth 3 (23 ms a step) does not read as cheaper than depth 0 (8.5 ms); version 3 took it.
     Nothing else differs (but when each depth's latency was last measured)."""
-    v3, v4 = Featurizer(DEPTHS, version=3), Featurizer(DEPTHS)
-    assert v4.version == FEATURIZER_VERSION == 4
+    v3, v4 = Featurizer(DEPTHS, version=3), Featurizer(DEPTHS, version=4)
     idx = names(v4)
     records = [step(1, 0, [], bs=64, step_us=54_000, prefill_tokens=8)]
     records += [step(s, 0, [], bs=64, step_us=8_500) for s in range(2, 6)]
@@ -350,6 +349,54 @@ def test_a_step_that_admitted_requests_stays_out_of_the_latency_table() -> None:
     lat = [i for n, i in idx.items() if n.startswith(("lat_ratio_", "lat_stale_", "goodput_"))]
     others = [i for i in range(len(a)) if i not in lat]
     assert np.array_equal(a[others], b[others])
+
+
+def test_the_step_before_an_admitting_one_stays_out_of_the_latency_table() -> None:
+    """Version 5: SGLang's overlap scheduler records most of an admission's time in the record
+    before the one that counts the prefilled tokens (H100 drawn traces: ~30 ms over a decode
+    step there, ~4 ms in the counting record). A record enters the table once the next one is
+    known, and not if that one admits: the depth-0 step before an admission does not make
+    depth 0 read slow; version 4 took it."""
+    v4, v5 = Featurizer(DEPTHS, version=4), Featurizer(DEPTHS)
+    assert v5.version == FEATURIZER_VERSION == 5
+    idx = names(v5)
+    records = [step(s, 0, [], bs=64, step_us=8_500) for s in range(1, 5)]
+    records += [step(s, 3, [1] * 64, step_us=23_000) for s in range(5, 10)]
+    records += [step(10, 0, [], bs=64, step_us=40_000)]  # timed the admission counted next
+    records += [step(11, 3, [1] * 64, step_us=27_000, prefill_tokens=8)]
+    records += [step(12, 3, [1] * 64, step_us=23_000)]
+    for rec in records:
+        a, b = v4.update(rec), v5.update(rec)
+    lat3 = idx["lat_ratio_3"]
+    assert np.exp(b[lat3]) == pytest.approx(23_000 / 8_500, rel=1e-4)  # the decode steps' ratio
+    assert v5.latency_us(0, 64) == 8_500 and v4.latency_us(0, 64) == 8_500 + 0.2 * (40_000 - 8_500)
+    assert a[lat3] < np.log(23_000 / 8_500) - 0.3  # version 4: depth 3 cheaper, against the 40 ms step
+    lat = [i for n, i in idx.items() if n.startswith(("lat_ratio_", "lat_stale_", "goodput_"))]
+    others = [i for i in range(len(a)) if i not in lat]
+    assert np.array_equal(a[others], b[others])
+
+
+def test_version_5_takes_each_decode_record_one_record_late() -> None:
+    """Without admissions version 5's table is version 4's one record later: the same values,
+    entered when the next record arrives (and stamped with the record's own step index)."""
+    v5 = Featurizer(DEPTHS)
+    v5.update(step(0, 0, [], bs=8, step_us=10_000))
+    assert v5.latency_us(0, 8) == 0.0  # waits for the next record
+    v5.update(step(1, 2, [1] * 8, step_us=15_000))
+    assert v5.latency_us(0, 8) == 10_000 and v5.latency_us(2, 8) == 0.0
+    obs = v5.update(step(2, 2, [1] * 8, step_us=15_000))
+    assert v5.latency_ratio(2, 8) == pytest.approx(1.5)
+    assert obs[names(v5)["lat_stale_2"]] == pytest.approx(1 - math.exp(-1 / 200), rel=1e-5)
+    # Replayed one record behind, version 4 gives the same table: no admissions, no difference.
+    stream = random_stream(400, seed=8)
+    v4, v5 = Featurizer(DEPTHS, version=4), Featurizer(DEPTHS)
+    for prev, cur in zip(stream, stream[1:]):
+        v4.update(prev)
+        v5.update(cur)
+        for d in DEPTHS:
+            for bs in (1, 8, 64, 300):
+                assert v5.latency_us(d, bs) == v4.latency_us(d, bs)
+                assert v5.latency_ratio(d, bs) == v4.latency_ratio(d, bs)
 
 
 @pytest.mark.parametrize("depths", [(0,), (3,), (1, 2), tuple(range(16))])

@@ -68,14 +68,17 @@ def _engine_digest(steps: int) -> str:
 
 
 def _featurizer_digest(n: int) -> str:
-    """Random records over several depth sets, incl. accepted counts above 255 (int64 path)."""
-    from controller.features import Featurizer
+    """Random records over several depth sets, incl. accepted counts above 255 (int64 path),
+    and over every version still served."""
+    from controller.features import SUPPORTED_VERSIONS, Featurizer
     from controller.protocol import Step
 
     h = hashlib.sha256()
     rnd = random.Random(5)
-    for depths in (DEPTHS, (3,), (1, 2), tuple(range(16)), (0, 300)):
-        f = Featurizer(depths)
+    runs = [(depths, None) for depths in (DEPTHS, (3,), (1, 2), tuple(range(16)), (0, 300))]
+    runs += [(DEPTHS, v) for v in SUPPORTED_VERSIONS]
+    for depths, version in runs:
+        f = Featurizer(depths) if version is None else Featurizer(depths, version)
         for seq in range(n):
             d = rnd.choice(depths)
             bs = rnd.randint(1, 300)
