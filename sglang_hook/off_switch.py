@@ -45,9 +45,11 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   call and 0.951 / 0.928 / 0.972 / 1.047x in another (spread per repetition 3-15%); storing each
   step at once ran 2-4% slower side by side; keep 0.87-0.94x.
   With ``SPECDEPTH_OFF_PREFILL=kv`` (experimental, off by default) a depth-0 prefill's drafter
-  extend also stores keys and values only (:func:`draft_prefill_hook`): a prefill costs the
-  speculative server 6-7 ms more than a plain server at one request on an H100, and with drawn
-  output lengths, where admissions are steady, depth 0 ran at 0.89-0.92x plain.
+  extend also stores keys and values only (:func:`draft_prefill_hook`). Its one GPU timing
+  (H100, 64 requests, drawn output lengths) was 0.91x plain against the default's 0.97x,
+  because its inputs were copied to the GPU from pageable memory, which made the scheduler
+  wait for the GPU at every admission; the copy no longer waits (:func:`to_device_async`),
+  and that is not yet timed.
 - ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: nothing runs, but the
   drafter's KV misses every position decoded while off, for the rest of those requests.
 
@@ -618,6 +620,22 @@ def _check_kv(original: Any, worker: Any, batch: Any, batch_result: Any, loc: An
         )  # fmt: skip
 
 
+def to_device_async(values: list[int], like: Any) -> Any:
+    """``values`` as a tensor of ``like``'s dtype on ``like``'s device, without the scheduler
+    waiting for the GPU.
+
+    ``like.new_tensor(values)`` copies from pageable memory, and such a copy synchronizes the
+    stream: the scheduler waits for every kernel queued before it. On an H100 at 64 requests
+    that wait was the scheduler's largest item under ``SPECDEPTH_OFF_PREFILL=kv`` (36 µs per
+    output token; depth 0 fell to 0.91x plain, against 0.97x without it). From pinned memory
+    the copy is queued on the stream like a kernel.
+    """
+    host = like.new_tensor(values, device="cpu")
+    if host.device == like.device:  # a batch on the CPU (the tests)
+        return host
+    return host.pin_memory().to(like.device, non_blocking=True)
+
+
 def prefill_inputs(batch: Any, hidden: Any, next_token_ids: Any) -> tuple[Any, Any, Any, Any]:
     """A prefill's drafter-extend inputs, as SGLang's ``_draft_extend_for_prefill`` makes them.
 
@@ -625,8 +643,9 @@ def prefill_inputs(batch: Any, hidden: Any, next_token_ids: Any) -> tuple[Any, A
     tail token (the sampled token, or the next prompt token of a chunk that is not the last:
     ``_eagle_prefill_tail_tokens``); positions from each request's cached prefix on; the slots
     the target's prefill wrote; the target's aux hidden states of every token. Tensor methods
-    only; the per-request lengths go to the device once. Returns ``(ids, positions, hidden,
-    slots)``; raises ``ValueError`` for a batch of another shape.
+    only; the per-request lengths go to the device once, without a wait
+    (:func:`to_device_async`). Returns ``(ids, positions, hidden, slots)``; raises
+    ``ValueError`` for a batch of another shape.
     """
     from sglang.srt.speculative.eagle_utils import _eagle_prefill_tail_tokens
 
@@ -638,8 +657,8 @@ def prefill_inputs(batch: Any, hidden: Any, next_token_ids: Any) -> tuple[Any, A
     if not lens_list or min(lens_list) < 1 or not (int(ids.shape[0]) == int(hidden.shape[0]) == int(loc.shape[0]) == n):
         raise ValueError(f"extend of {n} tokens: ids {tuple(ids.shape)}, hidden {tuple(hidden.shape)}, slots {tuple(loc.shape)}")
     tail = _eagle_prefill_tail_tokens(batch, next_token_ids)
-    lens = batch.seq_lens.new_tensor(list(lens_list))
-    prefix = batch.seq_lens.new_tensor(list(prefix_list))
+    both = to_device_async([*lens_list, *prefix_list], batch.seq_lens)
+    lens, prefix = both[: len(lens_list)], both[len(lens_list) :]
     ends = lens.cumsum(0)
     shifted = ids.new_empty(ids.shape)
     shifted[:-1] = ids[1:]

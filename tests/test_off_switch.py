@@ -838,6 +838,15 @@ def test_prefill_inputs_are_sglangs(chunked: bool) -> None:
         off_switch.prefill_inputs(batch, hidden, sampled)
 
 
+def test_host_lengths_reach_the_batch_device_in_its_dtype() -> None:
+    """``to_device_async`` keeps the dtype of the tensor it copies next to; on the CPU it is
+    the host tensor itself (the pinned, non-blocking copy needs a GPU)."""
+    import torch
+
+    got = off_switch.to_device_async([3, 0, 7], torch.zeros(2, dtype=torch.int32))
+    assert got.dtype == torch.int32 and got.device.type == "cpu" and got.tolist() == [3, 0, 7]
+
+
 @pytest.fixture
 def kv_prefill(spec: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
