@@ -577,3 +577,24 @@ def test_the_stack_sampler_finds_where_a_scheduler_spends_its_time(tmp_path: Pat
     assert share["<module>"] == 1.0
     assert got["inclusive"][0]["us_per_tok"] == pytest.approx(1000.0)  # 1 s / 1000 tokens, all of it
     assert got["self"][0]["name"].split(":")[-2] in ("busy", "<genexpr>") or "busy" in got["self"][0]["name"]
+
+
+def test_stack_parts_count_a_stack_in_every_part_it_matches() -> None:
+    """``stack_parts.parts``: a part takes the stacks with all of its frames and none of its
+    exclusions, per output token at the window's rate; parts nest, so rows overlap."""
+    import stack_parts
+
+    sync = stack_parts.SYNC
+    stacks = {  # microseconds per stack, 1 s in all
+        f"scheduler.py:event_loop_overlap;scheduler.py:process_batch_result_decode;{sync}:254": 400_000,
+        "scheduler.py:event_loop_overlap;scheduler.py:process_batch_result_decode:10": 100_000,
+        "scheduler.py:event_loop_overlap;x/prefill_cuda_graph_runner.py:execute:5": 300_000,
+        "scheduler.py:event_loop_overlap;off_switch.py:draft_prefill_hook;x/prefill_cuda_graph_runner.py:execute:5": 200_000,
+    }  # fmt: skip
+    got = dict(zip([name for name, _, _ in stack_parts.PARTS], stack_parts.parts(stacks, tok_s=1000.0)))
+    assert got["all"] == pytest.approx(1000.0)  # 1 s over 1000 tokens
+    assert got["waiting for the GPU (stream synchronize)"] == pytest.approx(400.0)
+    assert got["work: all but waiting for the GPU"] == pytest.approx(600.0)
+    assert got["processing a decode result, not waiting"] == pytest.approx(100.0)
+    assert got["the target's prefill (prefill graph runner, not the drafter's)"] == pytest.approx(300.0)
+    assert got["the drafter's extend of admitted prompts (hook's prefill wrapper)"] == pytest.approx(200.0)

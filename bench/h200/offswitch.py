@@ -504,6 +504,28 @@ def profiles(live: list[Server], args: argparse.Namespace, res: Any, book: Book,
 STACKS = HERE / "stacksample"  # the sitecustomize that samples a server's Python stacks
 
 
+def scheduler_windows(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """``stacksample``'s windows of a scheduler process among ``paths`` (``.json`` or
+    ``.json.gz``): each window's bookkeeping, and its main thread's microseconds per
+    collapsed stack, summed over the windows."""
+    import gzip
+
+    windows: list[dict[str, Any]] = []
+    stacks: dict[str, int] = {}
+    for path in sorted(paths):
+        opener: Any = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt") as fh:
+            rec = json.load(fh)
+        if "scheduler" not in rec.get("cmdline", ""):
+            continue
+        windows.append({k: rec.get(k) for k in ("pid", "seconds", "samples", "sched_ms", "gc", "affinity", "loadavg")})
+        for thread, per in rec["threads"].items():
+            if thread.startswith("MainThread#"):
+                for stack, us in per.items():
+                    stacks[stack] = stacks.get(stack, 0) + us
+    return windows, stacks
+
+
 def stack_summary(out_dir: Path, tok_s: float, top: int = 45) -> dict[str, Any]:
     """The scheduler's main thread from ``stacksample``'s windows under ``out_dir``: each
     function's share of the samples that have it on the stack (inclusive) and at the top
@@ -511,25 +533,16 @@ def stack_summary(out_dir: Path, tok_s: float, top: int = 45) -> dict[str, Any]:
     inclusive: dict[str, int] = {}  # microseconds, as the sampler weighs its samples
     leaf: dict[str, int] = {}
     stacks: dict[str, int] = {}
-    total = 0
-    windows = []
-    for path in sorted(out_dir.glob("*.json")):
-        rec = json.loads(path.read_text())
-        if "scheduler" not in rec.get("cmdline", ""):
-            continue
-        windows.append({k: rec.get(k) for k in ("pid", "seconds", "samples", "sched_ms", "gc", "affinity", "loadavg")})
-        for thread, per in rec["threads"].items():
-            if not thread.startswith("MainThread#"):
-                continue
-            for stack, n in per.items():
-                total += n
-                frames, line = stack.rsplit(":", 1)
-                names = frames.split(";")
-                for name in set(names):
-                    inclusive[name] = inclusive.get(name, 0) + n
-                leaf[f"{names[-1]}:{line}"] = leaf.get(f"{names[-1]}:{line}", 0) + n
-                short = ";".join(x.rsplit("/", 1)[-1] for x in names[-7:]) + ":" + line
-                stacks[short] = stacks.get(short, 0) + n
+    windows, main = scheduler_windows(list(out_dir.glob("*.json")))
+    total = sum(main.values())
+    for stack, n in main.items():
+        frames, line = stack.rsplit(":", 1)
+        names = frames.split(";")
+        for name in set(names):
+            inclusive[name] = inclusive.get(name, 0) + n
+        leaf[f"{names[-1]}:{line}"] = leaf.get(f"{names[-1]}:{line}", 0) + n
+        short = ";".join(x.rsplit("/", 1)[-1] for x in names[-7:]) + ":" + line
+        stacks[short] = stacks.get(short, 0) + n
     if not total:
         return {"error": "no scheduler samples", "windows": windows}
     us = 1e6 / tok_s if tok_s > 0 else 0.0
