@@ -598,3 +598,14 @@ def test_stack_parts_count_a_stack_in_every_part_it_matches() -> None:
     assert got["processing a decode result, not waiting"] == pytest.approx(100.0)
     assert got["the target's prefill (prefill graph runner, not the drafter's)"] == pytest.approx(300.0)
     assert got["the drafter's extend of admitted prompts (hook's prefill wrapper)"] == pytest.approx(200.0)
+
+
+def test_a_load_started_in_the_background_joins_with_its_summary() -> None:
+    """``loadgen.start_load`` (profiles, stack samples, the kill-9 run): ``join`` waits for the
+    load and returns :func:`loadgen.run_load`'s summary; against a port nothing listens on,
+    every request is counted as failed rather than raising on the thread."""
+    from loadgen import LoadSpec, start_load
+
+    join = start_load("http://127.0.0.1:9", LoadSpec(2, 4, 8, 4, seed=1), timeout_s=10)
+    m = join()
+    assert m["failed"] == 4 and len(m["requests"]) == 4 and m["concurrency"] == 2

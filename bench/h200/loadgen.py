@@ -16,7 +16,9 @@ import math
 import random
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -253,3 +255,18 @@ def run_load(url: str, spec: LoadSpec, timeout_s: float = 300.0) -> dict[str, An
         "wall_s": wall,
         "requests": [asdict(r) for r in results],
     }
+
+
+def start_load(url: str, spec: LoadSpec, timeout_s: float = 300.0) -> Callable[[], dict[str, Any]]:
+    """:func:`run_load` on a thread, for work done while a load runs (a profile, a stack sample,
+    a controller killed mid-load). Returns ``join``: waits for the load and gives its summary
+    (``{}`` if it raised)."""
+    box: dict[str, Any] = {}
+    th = threading.Thread(target=lambda: box.update(m=run_load(url, spec, timeout_s=timeout_s)))
+    th.start()
+
+    def join() -> dict[str, Any]:
+        th.join()
+        return box.get("m", {})
+
+    return join

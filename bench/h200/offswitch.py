@@ -66,7 +66,7 @@ sys.path.insert(0, str(HERE))
 
 import policyswap  # noqa: E402  (the recording controllers of --record)
 import run  # noqa: E402  (set-up, model building and server processes, shared with run.py)
-from loadgen import LoadSpec, run_load  # noqa: E402
+from loadgen import LoadSpec, run_load, start_load  # noqa: E402
 
 SUMMARY_FIELDS = (
     "workload",
@@ -437,14 +437,12 @@ def profile(
     import urllib.request
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    box: dict[str, Any] = {}
     spec = (  # drawn lengths: admissions keep coming during the profiled steps
         LoadSpec(c, 4 * c, args.input_tokens, args.output_tokens, seed=4242, output_sigma=args.output_sigma)
         if args.output_sigma > 0
         else LoadSpec(c, c, args.input_tokens, 256, seed=4242)
     )
-    th = threading.Thread(target=lambda: box.update(m=run_load(server.url, spec, timeout_s=120)))
-    th.start()
+    join = start_load(server.url, spec, timeout_s=120)
     time.sleep(1.5)
     body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": with_stack}
     req = urllib.request.Request(
@@ -455,9 +453,9 @@ def profile(
     try:
         urllib.request.urlopen(req, timeout=60).read()
     except Exception as exc:
-        th.join()
+        join()
         return {"error": f"start_profile: {exc}"}
-    th.join()
+    join()
     # The trace is written after the last profiled step, asynchronously, and a trace with Python
     # stacks takes long to write: read it once its size has stopped changing.
     files: list[str] = []
@@ -502,6 +500,11 @@ def profiles(live: list[Server], args: argparse.Namespace, res: Any, book: Book,
 
 
 STACKS = HERE / "stacksample"  # the sitecustomize that samples a server's Python stacks
+
+
+def stack_dir(label: str) -> Path:
+    """Where server ``label``'s sampler writes its windows (its ``SPECDEPTH_STACK_DIR``)."""
+    return run.RES / f"stacks_{label}"
 
 
 def scheduler_windows(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -567,25 +570,19 @@ def sample_stacks(
             server = next((s for s in live if s.spec.label == label), None)
             if server is None or time.time() > deadline - args.sample_s - 15:
                 continue
-            out_dir = run.RES / f"stacks_{label}"
+            out_dir = stack_dir(label)
             for old in out_dir.glob("*.json"):
                 old.unlink()
             n = max(4 * c, int((args.sample_s + 6) * 30))  # ~25 requests/s at C=64 on an H100
             spec = LoadSpec(c, n, args.input_tokens, args.output_tokens, seed=7777 + c,
                             output_sigma=args.output_sigma or 0.7)  # fmt: skip
-            box: dict[str, Any] = {}
-            th = threading.Thread(
-                target=lambda url, sp, b: b.update(m=run_load(url, sp, timeout_s=120)),
-                args=(server.url, spec, box),
-            )
-            th.start()
+            join = start_load(server.url, spec, timeout_s=120)
             time.sleep(2.0)
             (out_dir / "on").touch()
             t0 = time.time()
             time.sleep(args.sample_s)
             (out_dir / "on").unlink()
-            th.join()
-            m = box.get("m", {})
+            m = join()
             # the window's rate: tokens over the load's whole wall is close while the load outlasts it
             tok_s = float(m.get("steady_tok_s") or m.get("throughput_tok_s") or 0.0)
             time.sleep(1.5)  # the sampler writes its window when the trigger goes
@@ -735,8 +732,8 @@ def main() -> int:
             server = Server(label, KINDS[label], 31000 + i, args)
             env = run._env()
             if label in args.sample.split(","):
-                (run.RES / f"stacks_{label}").mkdir(parents=True, exist_ok=True)
-                env["SPECDEPTH_STACK_DIR"] = str(run.RES / f"stacks_{label}")
+                stack_dir(label).mkdir(parents=True, exist_ok=True)
+                env["SPECDEPTH_STACK_DIR"] = str(stack_dir(label))
                 env["PYTHONPATH"] = f"{STACKS}:{env['PYTHONPATH']}"
             server.start(env)
             servers.append(server)

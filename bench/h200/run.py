@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-from loadgen import LoadSpec, run_load  # noqa: E402
+from loadgen import LoadSpec, run_load, start_load  # noqa: E402
 
 ROOT = Path(os.environ.get("H200_ROOT", "/root"))
 SITE = ROOT / "site"
@@ -498,11 +498,9 @@ def kill9_test(res: Results, server: Server, level: str, policy: str) -> None:
         return
     wait_flowing(server, ctl)
     mark = len(server.grep(""))
-    box: dict[str, Any] = {}
     spec = LoadSpec(16, 96, 256, 256, seed=777)
-    th = threading.Thread(target=lambda: box.update(m=run_load(server.url, spec, timeout_s=240)))
     tic = time.time()
-    th.start()
+    join = start_load(server.url, spec, timeout_s=240)
     time.sleep(2.0)
     ctl.kill9()
     killed_at = time.time() - tic
@@ -510,9 +508,8 @@ def kill9_test(res: Results, server: Server, level: str, policy: str) -> None:
     ctl2 = Controller(policy, BIND, RES / "traces" / level / "kill9-restart", f"{level}_kill9_restart")
     restarted = ctl2.start()
     restarted_at = time.time() - tic
-    th.join()
+    m = join()
     ctl2.stop()
-    m = box.get("m", {})
     lines = server.grep("")[mark:]
     res.data["kill9"] = {
         "level": level,
