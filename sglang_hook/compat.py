@@ -204,7 +204,7 @@ CONTRACT: tuple[Target, ...] = (
     Target("sglang.srt.speculative.eagle_info.EagleDraftInput.topk_index", kind="field"),
     Target("sglang.srt.speculative.eagle_info.EagleDraftInput.hidden_states", kind="field"),
     Target("sglang.srt.managers.schedule_batch.ScheduleBatch.out_cache_loc", kind="field"),
-    # SPECDEPTH_OFF_PREFILL=kv: a depth-0 prefill's drafter extend, keys and values only
+    # the off switch's KV-only drafter extend of a depth-0 prefill
     Target(
         "sglang.srt.speculative.eagle_utils._eagle_prefill_tail_tokens",
         ("batch", "next_token_ids"),

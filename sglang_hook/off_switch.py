@@ -44,12 +44,13 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   accepts): 0.969 / 0.979 / 0.976 / 0.936x a plain server at 1 / 4 / 16 / 64 requests in one
   call and 0.951 / 0.928 / 0.972 / 1.047x in another (spread per repetition 3-15%); storing each
   step at once ran 2-4% slower side by side; keep 0.87-0.94x.
-  With ``SPECDEPTH_OFF_PREFILL=kv`` (experimental, off by default) a depth-0 prefill's drafter
-  extend also stores keys and values only (:func:`draft_prefill_hook`). Its one GPU timing
-  (H100, 64 requests, drawn output lengths) was 0.91x plain against the default's 0.97x,
-  because its inputs were copied to the GPU from pageable memory, which made the scheduler
-  wait for the GPU at every admission; the copy no longer waits (:func:`to_device_async`),
-  and that is not yet timed.
+  A depth-0 prefill's drafter extend also stores keys and values only
+  (:func:`draft_prefill_hook`; ``SPECDEPTH_OFF_PREFILL=sglang`` keeps SGLang's whole extend
+  there). Its lengths reach the GPU without a wait (:func:`to_device_async`). Measured on an
+  H100 (prefill graphs on, drawn output lengths, 3 interleaved repetitions, SGLang's prefill
+  extend beside it): 0.977 / 0.979 / 0.978 / 0.964 / 0.973x a plain server at 1 / 4 / 16 / 64 /
+  128 requests against 0.977 / 0.973 / 0.966 / 0.950 / 0.967x, per repetition 0.990-1.039x
+  of it; its first 10 prefills stored exactly SGLang's keys and values.
 - ``skip``: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND``: nothing runs, but the
   drafter's KV misses every position decoded while off, for the rest of those requests.
 
@@ -90,8 +91,8 @@ ENV_OFF_DRAFT_CHECK = "SPECDEPTH_OFF_DRAFT_CHECK"
 ENV_OFF_DRAFT_DEFER = "SPECDEPTH_OFF_DRAFT_DEFER"
 DEFER_STEPS = 16
 DEFER_ROWS = 1024
-# Under ``kv``, "kv" makes a depth-0 prefill's drafter extend store keys and values only too
-# (experimental, off by default: not yet measured on a GPU); anything else keeps SGLang's.
+# Under ``kv``, a depth-0 prefill's drafter extend stores keys and values only too unless this
+# is "sglang" (SGLang's whole extend, for comparison); "kv" is the default.
 ENV_OFF_PREFILL = "SPECDEPTH_OFF_PREFILL"
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
@@ -626,8 +627,8 @@ def to_device_async(values: list[int], like: Any) -> Any:
 
     ``like.new_tensor(values)`` copies from pageable memory, and such a copy synchronizes the
     stream: the scheduler waits for every kernel queued before it. On an H100 at 64 requests
-    that wait was the scheduler's largest item under ``SPECDEPTH_OFF_PREFILL=kv`` (36 µs per
-    output token; depth 0 fell to 0.91x plain, against 0.97x without it). From pinned memory
+    that wait was the scheduler's largest item under the KV-only prefill (36 µs per output
+    token; depth 0 fell to 0.91x plain, against 0.97x with SGLang's prefill extend). From pinned memory
     the copy is queued on the stream like a kernel.
     """
     host = like.new_tensor(values, device="cpu")
@@ -688,7 +689,7 @@ PREFILL_OFF_MARK = "specdepth_kv_prefill_failed"  # set on a draft worker whose 
 # extend (each stored at once), then passes of owed steps compared with one step at a time.
 _CHECK = SimpleNamespace(steps=0, batches=0, prefills=0)
 _DEFER = SimpleNamespace(steps=DEFER_STEPS, rows=DEFER_ROWS)
-_PREFILL = SimpleNamespace(kv=False)  # ENV_OFF_PREFILL == "kv", read at install
+_PREFILL = SimpleNamespace(kv=True)  # ENV_OFF_PREFILL != "sglang", read at install
 
 
 def _flush_or_drop(worker: Any) -> None:
@@ -775,7 +776,7 @@ def draft_prefill_hook(
     original: Any, worker: Any, batch: Any, hidden: Any, next_token_ids: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """AROUND ``EagleDraftWorker._draft_extend_for_prefill``: what depth 0 owes is stored first
-    (the prefill writes the drafter's cache); then, with ``ENV_OFF_PREFILL=kv`` at depth 0, the
+    (the prefill writes the drafter's cache); then at depth 0 (unless ``ENV_OFF_PREFILL=sglang``) the
     prefill's drafter extend stores keys and values only (:func:`prefill_inputs`,
     :func:`draft_kv`) and returns SGLang's zeroed proposal (:func:`prefill_stub`), leaving the
     batch as SGLang's extend leaves it. Anything else, and any failure, runs SGLang's extend."""
@@ -852,6 +853,15 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` from the environment, the first when unset; anything else is logged
+    and the first used."""
+    text = os.environ.get(name, "").strip()
+    if text and text not in choices:
+        logger.warning("spec controller: %s=%r is not one of %s; using %s", name, text, ", ".join(choices), choices[0])
+    return text if text in choices else choices[0]
+
+
 def install(register: Any, config: OffConfig) -> None:
     """Register the off switch's hooks through ``register(target, fn)`` (SGLang's AROUND hooks).
 
@@ -868,7 +878,7 @@ def install(register: Any, config: OffConfig) -> None:
         _CHECK.steps = _env_int(ENV_OFF_DRAFT_CHECK, 0)
         _CHECK.batches = _CHECK.prefills = _CHECK.steps // 6
         _DEFER.steps = max(1, _env_int(ENV_OFF_DRAFT_DEFER, DEFER_STEPS))
-        _PREFILL.kv = os.environ.get(ENV_OFF_PREFILL, "").strip() == "kv"
+        _PREFILL.kv = _env_choice(ENV_OFF_PREFILL, ("kv", "sglang")) == "kv"
         register(DRAFT_EXTEND, draft_extend_hook)
         register(DRAFT, flush_first_hook)
         register(DRAFT_PREFILL, draft_prefill_hook)

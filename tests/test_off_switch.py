@@ -771,29 +771,32 @@ def test_the_batch_check_compares_one_pass_with_one_step_at_a_time(eagle3: Any, 
 def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0, prefills=0))
     monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=off_switch.DEFER_STEPS, rows=off_switch.DEFER_ROWS))
-    monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=False))
+    monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
     registered: list[str] = []
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "60")
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_DEFER, "0")  # 0 and 1: every step stores its own
-    monkeypatch.setenv(off_switch.ENV_OFF_PREFILL, "kv")
+    monkeypatch.setenv(off_switch.ENV_OFF_PREFILL, "sglang")
     off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig())
     assert (off_switch._CHECK.steps, off_switch._CHECK.batches, off_switch._DEFER.steps) == (60, 10, 1)
-    assert off_switch._CHECK.prefills == 10 and off_switch._PREFILL.kv
-    monkeypatch.delenv(off_switch.ENV_OFF_PREFILL)
+    assert off_switch._CHECK.prefills == 10 and not off_switch._PREFILL.kv  # SGLang's, as asked
+    monkeypatch.setenv(off_switch.ENV_OFF_PREFILL, "kvv")
     assert {off_switch.DRAFT_EXTEND, off_switch.DRAFT, off_switch.DRAFT_PREFILL} <= set(registered)
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "lots")
     monkeypatch.delenv(off_switch.ENV_OFF_DRAFT_DEFER)
     with caplog.at_level(logging.WARNING, logger="sglang_hook"):
         off_switch.install(lambda target, fn: None, off_switch.OffConfig())
     assert off_switch._CHECK.steps == 0 and off_switch._DEFER.steps == off_switch.DEFER_STEPS
-    assert not off_switch._PREFILL.kv  # SGLang's prefill extend unless asked for
-    assert "is not a whole number" in caplog.text
+    assert off_switch._PREFILL.kv  # a misspelt value: the default, KV only, and a warning
+    assert "is not a whole number" in caplog.text and "'kvv' is not one of kv, sglang" in caplog.text
+    monkeypatch.delenv(off_switch.ENV_OFF_PREFILL)
+    off_switch.install(lambda target, fn: None, off_switch.OffConfig())
+    assert off_switch._PREFILL.kv  # unset: KV only
     registered.clear()
     off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig(draft="keep"))
     assert off_switch.DRAFT not in registered and off_switch.DRAFT_PREFILL not in registered
 
 
-# --- ``SPECDEPTH_OFF_PREFILL=kv``: a depth-0 prefill's drafter extend, keys and values only ---
+# --- a depth-0 prefill's drafter extend, keys and values only (unless SPECDEPTH_OFF_PREFILL=sglang) ---
 
 
 def prefill_batch(chunked: bool = False) -> tuple[Any, Any, Any]:

@@ -112,7 +112,11 @@ KINDS = {
     "off": Kind("static:0", True, KV_FLAGS, env=(KV_CHECK,)),
     # kv with each depth-0 step's drafter update stored at once (the default owes up to 16)
     "off-lean": Kind("static:0-lean", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_DRAFT_DEFER", "1"))),
-    # kv, and a depth-0 prefill's drafter extend keys and values only too (experimental)
+    # kv with SGLang's whole drafter extend for a depth-0 prefill: the default until call I
+    # (2026-12-06), which made the KV-only prefill extend the default
+    "off-sglprefill": Kind("static:0-sglprefill", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "sglang"))),
+    # the KV-only prefill extend asked for by name: the same server as `off` since call I, kept
+    # so that the commands of calls F, H and I still run
     "off-pkv": Kind("static:0-pkv", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "kv"))),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),

@@ -388,7 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume-servers", type=_list, default=[HOOK],
                         help="resume stage: the hook servers to run it on (off, off-keep, off-skip)")  # fmt: skip
     parser.add_argument("--resume-conc", type=int, default=64, help="resume stage: concurrent requests")
-    parser.add_argument("--no-prefill-graph", action="store_true", default=True)
+    # SGLang's default is to capture prefill graphs, and the servers users compare run with them;
+    # before 2026-12-06 this flag was stuck on (calls 1-5 and J-K ran without prefill graphs)
+    parser.add_argument("--no-prefill-graph", action="store_true",
+                        help="--disable-prefill-cuda-graph on every server (about 100 s less start-up; "
+                        "admissions then run eagerly)")  # fmt: skip
     parser.add_argument("--no-warm", action="store_true", help="skip the warm-up (a quick check only)")
     return parser
 

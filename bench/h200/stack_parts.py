@@ -33,7 +33,7 @@ PARTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("work: all but waiting for the GPU", (), (SYNC,)),
     ("the target's prefill (prefill graph runner, not the drafter's)", (PREFILL_GRAPH,), DRAFT_PREFILL),
     ("the drafter's extend of admitted prompts (hook's prefill wrapper)", ("draft_prefill_hook",), ()),
-    ("  of which the hook's KV-only prefill inputs (SPECDEPTH_OFF_PREFILL=kv)", ("prefill_inputs",), ()),
+    ("  of which the hook's KV-only prefill inputs", ("prefill_inputs",), ()),
     ("a depth-0 step: SGLang's verify (hook's plain decode inside)", ("eagle_worker_v2.py:verify",), ()),
     ("  the hook's prepare (plain decode batch)", ("prepare_verify_hook",), ()),
     ("  the hook's KV-only update", ("draft_extend_hook",), ()),
