@@ -23,7 +23,9 @@ import argparse
 import re
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -44,7 +46,7 @@ def points(steps: list[dict], gap_ms: float) -> list[list[dict]]:
     return [p for p in out if p]
 
 
-def describe(point: list[dict]) -> dict[str, float]:
+def describe(point: list[dict]) -> dict[str, Any]:
     c = max(s["bs"] for s in point)
     tokens = [s["bs"] + sum(s["accept"]) for s in point]
     us = [float(s["step_us"]) for s in point]
@@ -63,6 +65,7 @@ def describe(point: list[dict]) -> dict[str, float]:
         "admissions": len(admits),
         "admit_ms": statistics.fmean(extra) / 1e3 if extra else float("nan"),
         "admit_p50_ms": statistics.median(extra) / 1e3 if extra else float("nan"),
+        "depths": {d: n / len(full) for d, n in sorted(Counter(point[i]["depth"] for i in full).items())},
     }
 
 
@@ -78,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-ms", type=float, default=150.0, help="idle time that separates two points")
     parser.add_argument("--min-steps", type=int, default=50, help="leave out shorter runs (priming, probes)")
     args = parser.parse_args(argv)
-    print("| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions | ms per admission, mean / median |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions "
+        "| ms per admission, mean / median | depths at full batch |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for path in args.traces:
         steps = [r for r in iter_records(path) if r.get("t") == "step"]
         for p in points(steps, args.gap_ms):
@@ -88,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             d = describe(p)
             print(
                 f"| {label(path)} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
-                f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} | {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} |"
+                f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} "
+                f"| {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} "
+                f"| {', '.join(f'{k}: {v:.2f}' for k, v in d['depths'].items() if v >= 0.005)} |"
             )
     return 0
 
