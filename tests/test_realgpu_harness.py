@@ -447,6 +447,8 @@ def test_the_simulator_replays_drawn_output_lengths() -> None:
 
     assert realgpu_sim.sim_workload("closed-mix-256-128", 16) == "closed:16@prompt=256,output=128,n=32"
     assert realgpu_sim.sim_workload("closed-mix-256-128~0.7", 1) == "closed:1@prompt=256,output=128~0.7,n=4"
+    # a call run with --requests-per-conc 8 sends 8C requests a point, and its replay does too
+    assert realgpu_sim.sim_workload("closed-mix-256-128~0.7", 16, 8) == "closed:16@prompt=256,output=128~0.7,n=128"
     args = realgpu.parse(["--stages", "closed", "--output-sigma", "0.7", "--policies", "plain"])
     assert args.output_sigma == 0.7
 

@@ -6,8 +6,8 @@ Run: ``python bench/h200/realgpu_sim.py --sim FIT/sim.json CALL.csv [CALL.csv ..
 
 For every closed point (policy, C) of the CSVs except ``plain``, the same benchmark in the
 simulator: closed loop at C with the point's prompt and output lengths (fixed, or drawn
-log-normally for a ``N~SIGMA`` workload, policies labelled ``[N~SIGMA]``), max(4, 2C) requests (what
-``realgpu.py`` sends), the policy deciding one step late, throughput = output tokens / wall
+log-normally for a ``N~SIGMA`` workload, policies labelled ``[N~SIGMA]``), max(4, R·C) requests
+(what ``realgpu.py --requests-per-conc R`` sends; give the call's R), the policy deciding one step late, throughput = output tokens / wall
 time of the whole run, mean over ``--seeds``. The benchmark sends every point's prompts once
 before timing it, so SGLang's radix cache holds them: ``--prefix-hit`` (default 0.99, what the
 H200 traces showed, ``bench/sim_vs_real.py``) replaces the fit's. The HTTP and tokenizer path
@@ -42,15 +42,15 @@ def measured(paths: list[Path]) -> dict[tuple[str, str, int], list[float]]:
     return dict(out)
 
 
-def sim_workload(workload: str, c: int) -> str:
+def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
     """The simulator's spec for a closed point of ``realgpu.py``: ``closed-mix-IN-OUT`` (OUT
-    ``N`` or ``N~SIGMA``, drawn output lengths) at C, max(4, 2C) requests."""
+    ``N`` or ``N~SIGMA``, drawn output lengths) at C, max(4, ``per_conc``·C) requests."""
     prompt, out = workload.split("-")[-2:]
-    return f"closed:{c}@prompt={prompt},output={out},n={max(4, 2 * c)}"
+    return f"closed:{c}@prompt={prompt},output={out},n={max(4, per_conc * c)}"
 
 
 def replay(
-    params: Any, points: dict[tuple[str, str, int], list[float]], seeds: int
+    params: Any, points: dict[tuple[str, str, int], list[float]], seeds: int, per_conc: int = 2
 ) -> list[tuple[str, int, list[float], float | None]]:
     """Each point's benchmark in the simulator: (policy, C, measured tok/s per repetition,
     simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule)."""
@@ -70,7 +70,7 @@ def replay(
         sims = [
             simulate(
                 params,
-                sim_workload(workload, c),
+                sim_workload(workload, c, per_conc),
                 factory(DEPTHS),
                 depths=DEPTHS,
                 seed=seed,
@@ -90,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("csv", type=Path, nargs="+", help="realgpu summary.csv files (or the call folders)")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--prefix-hit", type=float, default=0.99)
+    ap.add_argument(
+        "--requests-per-conc", type=int, default=2,
+        help="the calls' realgpu.py --requests-per-conc (a point sends max(4, this x C) requests)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.requests_per_conc < 1:
+        ap.error("--requests-per-conc must be at least 1")
     missing = [str(args.sim)] if not args.sim.is_file() else []
     missing += [str(p) for p in args.csv if not (p.is_file() or (p / "summary.csv").is_file())]
     if missing:
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
     print("|---|---|---|---|---|")
     errors = []
-    for policy, c, reps, sim in replay(params, measured(args.csv), args.seeds):
+    for policy, c, reps, sim in replay(params, measured(args.csv), args.seeds, args.requests_per_conc):
         real = float(np.mean(reps))
         if sim is None:
             print(f"| {policy} | {c} | {real:.0f} | - | not simulated |")
