@@ -6,9 +6,10 @@ Run: ``python bench/h200/realgpu_sim.py --sim FIT/sim.json CALL.csv [CALL.csv ..
 
 For every closed point (policy, C) of the CSVs except ``plain``, the same benchmark in the
 simulator: closed loop at C with the point's prompt and output lengths (fixed, or drawn
-log-normally for a ``N~SIGMA`` workload, policies labelled ``[N~SIGMA]``), max(4, R·C) requests
-(what ``realgpu.py --requests-per-conc R`` sends; give the call's R), the policy deciding one step late, throughput = output tokens / wall
-time of the whole run, mean over ``--seeds``. The benchmark sends every point's prompts once
+log-normally for a ``N~SIGMA`` workload, policies labelled ``[N~SIGMA]``), max(4, R·C)
+requests (what ``realgpu.py --requests-per-conc R`` sends; give the call's R), the policy
+deciding one step late, throughput = output tokens / wall time of the whole run, mean over
+``--seeds``. The benchmark sends every point's prompts once
 before timing it, so SGLang's radix cache holds them: ``--prefix-hit`` (default 0.99, what the
 H200 traces showed, ``bench/sim_vs_real.py``) replaces the fit's. The HTTP and tokenizer path
 before the scheduler is not modelled (``bench/sim_vs_real.py`` calibrates it from TTFTs; here it
