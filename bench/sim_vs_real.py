@@ -79,7 +79,7 @@ def policy_factory(name: str):
 def fit_level(level: str, out: Path) -> tuple[Any, dict[tuple[str, int], Any], Any]:
     from env.acceptance import fit_acceptance
     from env.deployments import load_deployment
-    from env.fit import accept_counts, fit_sim, load_steps
+    from env.fit import accept_counts, fit_request_path, fit_sim, load_steps
 
     traces = ROOT / "env" / "example_traces" / f"h200-real-{level}"
     params, report = fit_sim(str(traces), [], load_deployment("h200-llama8b"), off_path="verify")
@@ -100,10 +100,9 @@ def fit_level(level: str, out: Path) -> tuple[Any, dict[tuple[str, int], Any], A
     def ttft_real_ms(c: int) -> float:
         return float(np.median([m["ttft_mean_ms"] for m in runs if m["server"] == level and m["concurrency"] == c]))
 
-    lat_us = max(0, int(round(ttft_real_ms(1) * 1000 - sim_ttft_us(params, 1))))
-    params = replace(params, engine=replace(params.engine, request_latency_us=lat_us))
-    serial_us = max(0, int(round((ttft_real_ms(64) * 1000 - sim_ttft_us(params, 64)) / 32)))
-    params = replace(params, engine=replace(params.engine, request_serial_us=serial_us))
+    params = fit_request_path(
+        params, {c: ttft_real_ms(c) for c in (1, 64)}, lambda c: f"closed:{c}@prompt={PROMPT_TOKENS},output=128,n={2 * c}"
+    )
     params.to_json(out / f"sim_{level}.json")
     # Acceptance per (device call, C): the records of that call's traces at that C's batch sizes
     # (each call drew its own prompts; the measured point is the last call's).
@@ -124,17 +123,6 @@ def fit_level(level: str, out: Path) -> tuple[Any, dict[tuple[str, int], Any], A
             else:
                 per_c[(call, c)] = params
     return params, per_c, report
-
-
-def sim_ttft_us(params: Any, c: int) -> float:
-    """Mean TTFT (µs) of the simulated benchmark at C, depth 0 (two waves of requests)."""
-    from env.engine import Engine
-
-    eng = Engine(params, f"closed:{c}@prompt={PROMPT_TOKENS},output=128,n={2 * c}")
-    eng.reset(0)
-    while not eng.done:
-        eng.step(0)
-    return float(np.mean([r.first_token_us - r.arrival_us for r in eng.completed]))
 
 
 def sim_throughput(params: Any, policy: str, c: int, n: int, seeds: int) -> float:

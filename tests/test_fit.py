@@ -384,3 +384,30 @@ def test_the_simulator_prices_an_admitting_step_as_the_fit_reads_it():
     assert n >= 30
     assert fitted.admit_us == pytest.approx(a_us, rel=0.05)
     assert fitted.admit_seq_us == pytest.approx(b_us, rel=0.1)
+
+
+def test_the_request_path_is_recovered_from_times_to_first_token():
+    """``fit_request_path`` reads a server's HTTP/tokenizer path from its clients' TTFTs: a
+    deployment given a known path, measured by the simulator's own TTFTs at C = 1 and 32, gives
+    the path back from the deployment without one (the latency exactly, the serial time per
+    request to within its mean-place approximation)."""
+    from env.fit import fit_request_path, sim_ttft_us
+
+    base = load_deployment("h200-llama8b")
+    base = replace(base, engine=replace(base.engine, prefix_cache_hit=0.99))  # a warmed benchmark's prompts
+    truth = replace(base, engine=replace(base.engine, request_latency_us=8000, request_serial_us=700))
+
+    def workload(c: int) -> str:
+        return f"closed:{c}@prompt=256,output=64,n={2 * c}"
+
+    ttft_ms = {c: sim_ttft_us(truth, workload(c)) / 1000 for c in (1, 32)}
+    assert ttft_ms[32] > ttft_ms[1] + 5  # the serial path queues a wave: the fit has something to read
+    none = {c: sim_ttft_us(base, workload(c)) / 1000 for c in (1, 32)}
+    assert fit_request_path(base, none, workload).engine.request_latency_us == 0  # no path: none read
+    assert fit_request_path(base, none, workload).engine.request_serial_us == 0
+    fitted = fit_request_path(base, ttft_ms, workload).engine
+    assert abs(fitted.request_latency_us - 8000) <= 50
+    assert fitted.request_serial_us == pytest.approx(700, rel=0.25)
+    # One concurrency: the latency alone; a path shorter than the model's own TTFT: none.
+    assert fit_request_path(base, {1: ttft_ms[1]}, workload).engine.request_serial_us == 0
+    assert fit_request_path(base, {1: 0.1}, workload).engine.request_latency_us == 0

@@ -419,6 +419,23 @@ def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys
     assert "2 points: mean absolute error" in out
     assert realgpu_sim.main(["--sim", str(tmp_path / "none.json"), str(path)]) == 2
 
+    # --ttft-points: the request path fitted to static:0's measured TTFTs (the mean per C over
+    # repetitions), then the same replay; points of two closed workloads are refused.
+    points = tmp_path / "offswitch.json"
+    pt = {"workload": "closed-mix-256-128", "policy": "static:0", "rep": 1}
+    points.write_text(json.dumps({"points": [
+        {**pt, "concurrency": 1, "ttft_ms_mean": 30.0}, {**pt, "concurrency": 1, "rep": 2, "ttft_ms_mean": 32.0},
+        {**pt, "concurrency": 4, "ttft_ms_mean": 41.0}, {**pt, "policy": "ppo", "concurrency": 4, "ttft_ms_mean": 99.0},
+    ]}))  # fmt: skip
+    assert realgpu_sim.measured_ttft([points]) == ("closed-mix-256-128", {1: 31.0, 4: 41.0})
+    assert realgpu_sim.main(["--sim", str(sim), str(path), "--seeds", "2", "--ttft-points", str(points)]) == 0
+    fitted = capsys.readouterr().out.splitlines()[0]
+    assert fitted.startswith("request path fitted to static:0's TTFT at C = 1 and 4 (31.0 / 41.0 ms): ")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"points": [{**pt, "workload": "closed-mix-256-64", "concurrency": 1, "ttft_ms_mean": 9.0}]}))
+    assert realgpu_sim.main(["--sim", str(sim), str(path), "--ttft-points", str(points), "--ttft-points", str(other)]) == 2
+    assert "2 closed workloads" in capsys.readouterr().err
+
 
 def test_drawn_output_lengths_are_the_simulators_distribution() -> None:
     """``loadgen`` (stdlib, on the device) and ``env.workload`` (``output=N~S``) draw output

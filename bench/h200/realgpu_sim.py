@@ -12,8 +12,11 @@ deciding one step late, throughput = output tokens / wall time of the whole run,
 ``--seeds``. The benchmark sends every point's prompts once
 before timing it, so SGLang's radix cache holds them: ``--prefix-hit`` (default 0.99, what the
 H200 traces showed, ``bench/sim_vs_real.py``) replaces the fit's. The HTTP and tokenizer path
-before the scheduler is not modelled (``bench/sim_vs_real.py`` calibrates it from TTFTs; here it
-is left at the fit's). Prints one row per point and the mean and worst absolute error.
+before the scheduler, which no step record sees, is left at the fit's (none) unless
+``--ttft-points`` names the calls' point files (``offswitch.json`` or a committed copy): then
+it is fitted to the measured time to first token of ``static:0`` at the smallest and largest C
+(``env.fit.fit_request_path``, as ``bench/sim_vs_real.py`` does). Prints one row per point and
+the mean and worst absolute error.
 """
 
 from __future__ import annotations
@@ -41,6 +44,21 @@ def measured(paths: list[Path]) -> dict[tuple[str, str, int], list[float]]:
         if row["workload"].startswith("closed") and row["policy"] != "plain":
             out[(row["workload"], row["policy"], row["concurrency"])].append(row["tok_s"])
     return dict(out)
+
+
+def measured_ttft(files: list[Path], policy: str = "static:0") -> tuple[str, dict[int, float]]:
+    """The closed workload of the points files and, per C, the mean over its repetitions of
+    ``policy``'s mean time to first token (ms)."""
+    by_c: dict[int, list[float]] = defaultdict(list)
+    workloads = set()
+    for f in files:
+        for pt in json.loads(f.read_text()).get("points", []):
+            if pt["workload"].startswith("closed") and pt["policy"] == policy and pt.get("ttft_ms_mean") is not None:
+                by_c[int(pt["concurrency"])].append(float(pt["ttft_ms_mean"]))
+                workloads.add(pt["workload"])
+    if len(workloads) != 1:
+        raise ValueError(f"points of {policy} in {len(workloads)} closed workloads (need one): {sorted(workloads)}")
+    return workloads.pop(), {c: float(np.mean(v)) for c, v in sorted(by_c.items())}
 
 
 def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
@@ -95,16 +113,39 @@ def main(argv: list[str] | None = None) -> int:
         "--requests-per-conc", type=int, default=2,
         help="the calls' realgpu.py --requests-per-conc (a point sends max(4, this x C) requests)",
     )  # fmt: skip
+    ap.add_argument(
+        "--ttft-points", type=Path, action="append", default=[],
+        help="a call's point file (offswitch.json; repeatable): fit the request path to static:0's measured TTFTs",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.requests_per_conc < 1:
         ap.error("--requests-per-conc must be at least 1")
     missing = [str(args.sim)] if not args.sim.is_file() else []
+    missing += [str(p) for p in args.ttft_points if not p.is_file()]
     missing += [str(p) for p in args.csv if not (p.is_file() or (p / "summary.csv").is_file())]
     if missing:
         print(f"realgpu_sim: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     params = SimParams.from_dict(json.loads(args.sim.read_text()))
     params = replace(params, engine=replace(params.engine, prefix_cache_hit=args.prefix_hit))
+    if args.ttft_points:
+        from env.fit import fit_request_path
+
+        try:
+            workload, ttft = measured_ttft(args.ttft_points)
+        except ValueError as e:
+            print(f"realgpu_sim: {e}", file=sys.stderr)
+            return 2
+        if not ttft:
+            print("realgpu_sim: no static:0 time to first token in the points files", file=sys.stderr)
+            return 2
+        params = fit_request_path(params, ttft, lambda c: sim_workload(workload, c, args.requests_per_conc))
+        e = params.engine
+        print(
+            f"request path fitted to static:0's TTFT at C = {min(ttft)} and {max(ttft)} "
+            f"({ttft[min(ttft)]:.1f} / {ttft[max(ttft)]:.1f} ms): {e.request_latency_us / 1000:.1f} ms "
+            f"+ {e.request_serial_us / 1000:.2f} ms per request\n"
+        )
     print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
     print("|---|---|---|---|---|")
     errors = []
