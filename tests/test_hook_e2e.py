@@ -73,13 +73,20 @@ class Proc:
 
     def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
+        self.cmd, self.env = cmd, env
         self._fh = open(log, "ab")  # noqa: SIM115
+        self.start = self._fh.tell()  # where this process's output begins in a reused log
         self.p = subprocess.Popen(
             cmd, stdout=self._fh, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
         )
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def own_text(self) -> str:
+        with open(self.log, "rb") as f:
+            f.seek(self.start)
+            return f.read().decode(errors="replace")
 
     def wait_for(self, needle: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -131,6 +138,34 @@ def wait_ready(proc: Proc, port: int) -> None:
     raise AssertionError(f"server not ready after {READY_S}s:\n{proc.text()[-4000:]}")
 
 
+BIND_RACE = "address already in use"
+
+
+def start(cmd_at: Any, log: Path, env: dict[str, str]) -> tuple[Proc, int]:
+    """``cmd_at(port)`` started on a free port (not waited for)."""
+    port = free_port()
+    return Proc(cmd_at(port), log, env), port
+
+
+def ready(started: tuple[Proc, int], cmd_at: Any, tries: int = 3) -> tuple[Proc, int]:
+    """The server ``start`` started, waited for. A free port is only free when asked: another
+    server starting beside it (SGLang opens ports of its own at start-up) can take it before
+    this one binds. Such a server exits at once; it is started again on a new port, at most
+    ``tries`` times in all."""
+    proc, port = started
+    for attempt in range(tries):
+        try:
+            wait_ready(proc, port)
+            return proc, port
+        except AssertionError:
+            lost_port = proc.p.poll() is not None and BIND_RACE in proc.own_text()
+            proc.stop()
+            if not lost_port or attempt == tries - 1:
+                raise
+            proc, port = start(cmd_at, proc.log, proc.env or {})
+    raise AssertionError("unreachable")
+
+
 def generate(port: int, prompt: str, max_new_tokens: int) -> dict[str, Any]:
     r = requests.post(
         f"http://127.0.0.1:{port}/generate",
@@ -174,25 +209,21 @@ class Stack:
         self.model = build_tiny_llama(root / "tiny")
         self.sock = f"ipc://{root}/controller.sock"
         self.record = root / "runs"
-        self.port = free_port()
-        self.plain_port = free_port()
         self.controller = self.start_controller("controller-1.log")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.server = Proc(
-            [PY, "-m", "sglang_hook.launch_server", "--spec-controller", self.sock, "--spec-stale-ms", "200"]
-            + server_cmd(self.model, self.port),
-            root / "server-hook.log",
-            env,
-        )
+
+        def hooked(port: int) -> list[str]:
+            return [PY, "-m", "sglang_hook.launch_server", "--spec-controller", self.sock, "--spec-stale-ms", "200"] + server_cmd(self.model, port)  # fmt: skip
+
+        def plain(port: int) -> list[str]:
+            return [PY, "-m", "sglang.launch_server"] + server_cmd(self.model, port)
+
         plain_env = {k: v for k, v in env.items() if not k.startswith("SPECDEPTH_")}
-        self.plain = Proc(
-            [PY, "-m", "sglang.launch_server"] + server_cmd(self.model, self.plain_port),
-            root / "server-plain.log",
-            plain_env,
-        )
+        self.server, self.port = start(hooked, root / "server-hook.log", env)  # both start at once
+        self.plain, self.plain_port = start(plain, root / "server-plain.log", plain_env)
         try:
-            wait_ready(self.server, self.port)
-            wait_ready(self.plain, self.plain_port)
+            self.server, self.port = ready((self.server, self.port), hooked)
+            self.plain, self.plain_port = ready((self.plain, self.plain_port), plain)
         except BaseException:
             self.close()
             raise
