@@ -628,3 +628,39 @@ def test_a_load_started_in_the_background_joins_with_its_summary() -> None:
     join = start_load("http://127.0.0.1:9", LoadSpec(2, 4, 8, 4, seed=1), timeout_s=10)
     m = join()
     assert m["failed"] == 4 and len(m["requests"]) == 4 and m["concurrency"] == 2
+
+
+def test_trace_points_splits_points_and_reads_decode_admissions_and_depths(tmp_path: Path, capsys) -> None:
+    """``trace_points``: two points apart by an idle gap; in the second (C = 4), the median
+    decode step at full batch, the extra time of each admission over two decode steps (its
+    record and the one before), and the share of full-batch steps at each depth."""
+    import trace_points
+
+    def step(t_ms: float, us: int, bs: int, depth: int, prefill: int = 0, accept: tuple = ()) -> dict:
+        return {"t": "step", "ts_ns": int(t_ms * 1e6), "step_us": us, "bs": bs, "depth": depth,
+                "prefill_tokens": prefill, "accept": list(accept)}  # fmt: skip
+
+    first = [step(10.0 * (i + 1), 10_000, 1, 0) for i in range(5)]  # C = 1, ends at 50 ms
+    t, second = 1_000.0, []  # 950 ms idle: a new point
+    plan = [(4, 0, 0)] * 6 + [(4, 0, 0), (4, 0, 8)] + [(4, 3, 0)] * 4 + [(2, 0, 0)]  # (bs, depth, prefill)
+    for i, (bs, depth, prefill) in enumerate(plan):
+        us = 8_000 if i in (6, 7) else 5_000  # the admission: 3 ms more in each of its two records
+        t += us / 1e3
+        second.append(step(t, us, bs, depth, prefill, (1,) * bs if depth else ()))
+    pts = trace_points.points(first + second, gap_ms=150.0)
+    assert [len(p) for p in pts] == [5, len(plan)]
+    d = trace_points.describe(pts[1])
+    assert d["c"] == 4 and d["decode_ms"] == pytest.approx(5.0)
+    assert d["admissions"] == 1 and d["admit_ms"] == pytest.approx(6.0)
+    assert d["depths"] == pytest.approx({0: 8 / 12, 3: 4 / 12})  # the bs-2 drain step is not at full batch
+    assert d["full_share"] == pytest.approx((6 * 5 + 2 * 8 + 4 * 5) / (6 * 5 + 2 * 8 + 5 * 5))
+
+    from controller.traces import TraceWriter
+
+    w = TraceWriter(tmp_path, "static-0-h200-off", start_ns=1796530651324039943)  # as the controller names it
+    for s in first + second:
+        w.write(s, s["ts_ns"])
+    w.close()
+    assert trace_points.main([str(w.path), "--min-steps", "5"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| static-0-h200-off |")]
+    assert len(rows) == 2 and rows[1].endswith("| 0: 0.67, 3: 0.33 |")
