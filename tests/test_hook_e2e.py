@@ -73,7 +73,7 @@ class Proc:
 
     def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
-        self.cmd, self.env = cmd, env
+        self.env = env  # a server that lost its port is started again with it
         self._fh = open(log, "ab")  # noqa: SIM115
         self.start = self._fh.tell()  # where this process's output begins in a reused log
         self.p = subprocess.Popen(
