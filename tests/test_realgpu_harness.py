@@ -24,6 +24,7 @@ from sglang_hook.client import ControllerClient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench" / "h200"))
 
+import offswitch  # noqa: E402
 import openloop  # noqa: E402
 import policyswap  # noqa: E402
 import realgpu  # noqa: E402
@@ -155,6 +156,21 @@ def test_policy_names_map_to_what_runs() -> None:
             ):
                 continue
             assert any(name == b or (b.endswith(":") and name.startswith(b)) for b in BUILTINS), name
+
+
+def test_each_server_gets_the_controller_its_policy_needs() -> None:
+    """The hook server serves the timed policy, ``plain-rec`` records under static:0 (its steps
+    are the plain server's, in records), the other servers run without a controller."""
+    kinds = offswitch.KINDS
+    live = realgpu.live_policy
+    assert live(kinds["off"], "off", "ppo") == "ppo"
+    assert realgpu.SERVER_POLICIES["plain-rec"] == "plain-rec"
+    assert live(kinds["plain-rec"], "plain-rec", "plain-rec") == "static:0"
+    assert live(kinds["plain"], "plain", "plain") is None
+    assert live(kinds["off-keep"], "off-keep", "static:0-keep") is None
+    # The resume stage drives the variant it names with its scripted controller.
+    assert live(kinds["off-keep"], "off-keep", "scripted:resume", on="off-keep") == "scripted:resume"
+    assert realgpu.servers_needed(["plain", "plain-rec", "static:0"]) == ["plain", "plain-rec", "off"]
 
 
 def test_parse_starts_only_the_servers_the_stages_need() -> None:

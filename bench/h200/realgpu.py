@@ -9,7 +9,9 @@ call's repetitions apart, so the calls' ``summary.csv`` files concatenate).
 Policies are named as ``summary.csv`` writes them. Three are servers of their own
 (``offswitch.KINDS``): ``plain`` (no ``--speculative-*`` flag), ``sglang-adaptive-default`` and
 ``sglang-adaptive-tuned`` (SGLang's own adaptive rule, with its default tiers and with the
-tiers our launcher generates: every depth of ``--depths`` at every batch size). Every other
+tiers our launcher generates: every depth of ``--depths`` at every batch size); ``plain-rec``
+is the plain server started through the hook's launcher with a recording controller, so its
+steps and admissions are in step records beside the hook server's. Every other
 name runs on the hook server (``off``: EAGLE-3 through ``sglang_hook.launch_server``, fallback
 depth 0) under ``controller serve --policy SPEC --record`` (``policyswap.py``: ``static:K``
 and builtin names as ``builtin:NAME``, ``ppo`` / ``ppo-retrained`` as their zips,
@@ -115,6 +117,20 @@ def servers_needed(policies: list[str]) -> list[str]:
     return [lbl for lbl in offswitch.KINDS if lbl in labels]  # a stable order: plain first
 
 
+def live_policy(kind: offswitch.Kind, label: str, policy: str, on: str = "") -> str | None:
+    """What the controller on server ``label`` serves while ``policy`` is timed there, or None
+    where no controller runs: the hook server (or hook server ``on``, in the resume stage) serves
+    the policy itself; ``plain-rec`` a recording ``static:0``, so that the plain server's steps
+    and admissions are in step records beside the hook server's (it does not speculate, so
+    there is nothing to decide); the off-switch variants run without one, held at depth 0 by
+    the hook's fallback."""
+    if label == HOOK or on:
+        return policy
+    if kind.recorded:
+        return "static:0"
+    return None
+
+
 class Bench:
     """The servers, the hook server's controller swap and the result book of one call."""
 
@@ -140,9 +156,10 @@ class Bench:
             self.book.res.event("no_server", policy=policy, on=on)
             return None
         label = server.spec.label
-        if label not in self.swaps or (label != HOOK and not on):
+        live = live_policy(server.kind, label, policy, on)
+        if label not in self.swaps or live is None:
             return server
-        swap = self.swaps[label].use(policyswap.resolve(policy))
+        swap = self.swaps[label].use(policyswap.resolve(live))
         if swap.why == "already running":
             return server
         self.book.res.data.setdefault("swaps", []).append(
