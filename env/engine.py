@@ -162,7 +162,8 @@ class Engine:
         self._ingress_us = -(10**18)  # when the request path last let a request through
         self.ctx_sum = 0  # Σ sequence lengths of the running requests
         self.n = 0
-        self.waiting: deque[tuple[int, int, int, float, int]] = deque()
+        # (t_us, prompt, out, shift, rid, zero_accept): see env.workload.Arrival
+        self.waiting: deque[tuple[int, int, int, float, int, bool | None]] = deque()
         self.now_us = 0
         self.last_record_us = 0
         self.seq = 0
@@ -207,9 +208,9 @@ class Engine:
         arr = self.arrivals
         r = self._next_ready()
         while r is not None and r <= self.now_us:
-            t_us, prompt, out, shift = arr.pop()
+            t_us, prompt, out, shift, zero = arr.pop()
             self._ingress_us = r
-            self.waiting.append((t_us, prompt, out, shift, self.next_rid))
+            self.waiting.append((t_us, prompt, out, shift, self.next_rid, zero))
             self.next_rid += 1
             r = self._next_ready()
 
@@ -224,7 +225,7 @@ class Engine:
         hit = e.prefix_cache_hit
         prefilled = 0
         while self.waiting and self.n < self._cap:
-            t_us, prompt, out, shift, rid = self.waiting[0]
+            t_us, prompt, out, shift, rid, zero = self.waiting[0]
             need = prompt + out
             if self.kv_reserved + need > budget:
                 if self.n == 0 and need > budget:
@@ -239,10 +240,9 @@ class Engine:
             if prefilled > 0 and prefilled + uncached > chunk:
                 break
             self.waiting.popleft()
-            if self._rng_acc.random() < ap.p_zero:
-                u = ap.zero_logit
-            else:
-                u = ap.sigma * self._rng_acc.standard_normal()
+            if zero is None:  # drawn (the stream is consumed only then)
+                zero = self._rng_acc.random() < ap.p_zero
+            u = ap.zero_logit if zero else ap.sigma * self._rng_acc.standard_normal()
             _admit_row(self._ints, self._floats, self.n, u + shift, t_us, rid, prompt, out)
             self.ctx_sum += prompt
             self.n += 1

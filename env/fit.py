@@ -10,7 +10,8 @@ What is fitted from what (every fallback is written into the report's ``notes``)
   terms, and ``--holdout`` predictions come from them). Without a profile the pass shape
   starts from the bundled ``h200-llama8b`` fit and the traces rescale its cost classes.
 - **admissions**: what a step that admits requests costs beyond its prefill pass
-  (:func:`fit_admission`, a constant and a term per running request), from pairs of records.
+  (:func:`fit_admission`, a constant and a term per running request, less a share of the step
+  it joins, which hides part of it), from pairs of records.
 - **acceptance**, from the ``accept`` lists (maximum likelihood, :func:`fit_acceptance`).
   Traces without speculative steps keep the published defaults (``reference/acceptance.md``).
 - **workload**, from traces where they say enough: prompt lengths from ``prefill_tokens``,
@@ -262,20 +263,25 @@ ADMIT_MIN = 10
 
 
 def fit_admission(lp: LatencyParams, recs: dict[str, list[Step]]) -> tuple[LatencyParams, int]:
-    """``admit_us`` and ``admit_seq_us``: what a step that admits requests costs beyond the
-    model's prefill pass, ``admit_us + admit_seq_us · bs``; and how many admissions it read.
+    """``admit_us``, ``admit_seq_us`` and ``admit_hide``: what a step that admits requests costs
+    beyond the model's prefill pass, ``max(0, admit_us + admit_seq_us · bs − admit_hide · T)``
+    with ``T`` the step it joins (:mod:`env.latency`); and how many admissions it read.
 
     Each admission is read as a pair of records: the one that counts its prefilled tokens and
     the one before it. Under SGLang's overlap scheduler the prefill batch runs between two
     decode results, so part of its time lands in the record before (on the H100 testbed that
     record took 40-55 ms where a decode took 9). The pair's time less the model's two steps is
-    the admission's excess; a robust line in the batch size through the excesses, both terms
-    at least 0. The first record of a file, and pairs whose earlier record also admitted, are
-    left out. Fewer than :data:`ADMIT_MIN` admissions: ``lp`` unchanged (0 admissions read).
+    the admission's excess; a robust fit through the excesses, every term at least 0. The
+    scheduler prepares an admission while the GPU runs the step, so the excess falls as the
+    step grows (H100 testbed: 9-16 ms beside 7-8 ms depth-0 steps, 1-2 ms beside 25 ms depth-3
+    steps); ``admit_hide`` is fitted only where the admissions' steps differ enough to tell it
+    from ``admit_us`` (the 90th percentile at least 1.5x the 10th), else it stays 0. The first
+    record of a file, and pairs whose earlier record also admitted, are left out. Fewer than
+    :data:`ADMIT_MIN` admissions: ``lp`` unchanged (0 admissions read).
     """
     from scipy.optimize import least_squares
 
-    base = replace(lp, admit_us=0.0, admit_seq_us=0.0)
+    base = replace(lp, admit_us=0.0, admit_seq_us=0.0, admit_hide=0.0)
     rows: list[tuple[int, int, float, float, int, int, float, float]] = []
     for steps in recs.values():
         for i in range(2, len(steps)):
@@ -286,18 +292,25 @@ def fit_admission(lp: LatencyParams, recs: dict[str, list[Step]]) -> tuple[Laten
     if len(rows) < ADMIT_MIN:
         return lp, 0
     a = np.array(rows, dtype=float)
+    step = step_times_us(base, a[:, 0], a[:, 1], a[:, 2], np.zeros(len(a)))  # the step it joins
     pred = step_times_us(base, a[:, 0], a[:, 1], a[:, 2], a[:, 3]) + step_times_us(
         base, a[:, 4], a[:, 5], a[:, 6], np.zeros(len(a))
     )
     excess, bs = a[:, 7] - pred, a[:, 0]
     scale = max(float(np.median(np.abs(excess))), 100.0)
+    lo, hi = np.percentile(step, [10, 90])
+    hide = bool(hi >= 1.5 * lo)
 
     def resid(z: np.ndarray) -> np.ndarray:
-        return (z[0] * 1000.0 + z[1] * bs - excess) / scale
+        cost = z[0] * 1000.0 + z[1] * bs
+        if hide:
+            cost = np.maximum(cost - z[2] * step, 0.0)
+        return (cost - excess) / scale
 
-    z0 = np.array([max(float(np.median(excess)), 0.0) / 1000.0, 0.0])
-    sol = least_squares(resid, z0, bounds=([0.0, 0.0], [1e4, 1e4]), loss="soft_l1", f_scale=1.0)
-    return replace(lp, admit_us=float(sol.x[0] * 1000.0), admit_seq_us=float(sol.x[1])), len(rows)
+    z0 = np.array([max(float(np.median(excess)), 0.0) / 1000.0, 0.0, 0.0])
+    sol = least_squares(resid, z0, bounds=([0.0, 0.0, 0.0], [1e4, 1e4, 5.0]), loss="soft_l1", f_scale=1.0)
+    fitted = replace(lp, admit_us=float(sol.x[0] * 1000.0), admit_seq_us=float(sol.x[1]))
+    return replace(fitted, admit_hide=float(sol.x[2]) if hide else 0.0), len(rows)
 
 
 def sim_ttft_us(params: SimParams, workload: str) -> float:
@@ -311,7 +324,9 @@ def sim_ttft_us(params: SimParams, workload: str) -> float:
     return float(np.mean([r.first_token_us - r.arrival_us for r in eng.completed]))
 
 
-def fit_request_path(params: SimParams, ttft_ms: dict[int, float], workload: Any) -> SimParams:
+def fit_request_path(
+    params: SimParams, ttft_ms: dict[int, float], workload: Any, prefix_hit: Any = None
+) -> SimParams:
     """``request_latency_us`` and ``request_serial_us`` from a client's measured time to first
     token at depth 0: the server's request path before the scheduler (HTTP, tokenizer), which
     no step record sees.
@@ -323,14 +338,20 @@ def fit_request_path(params: SimParams, ttft_ms: dict[int, float], workload: Any
     (C / 2). Both at least 0; with one C only the latency is fitted. The serial estimate holds
     where the prompts are mostly cached (a benchmark that warms them, as the bench scripts'): where
     a wave's joint prefill dominates, staggering the arrivals can shorten the TTFT at C, and the
-    estimate reads low or 0.
+    estimate reads low or 0. ``prefix_hit(c)``, if given, is the radix cache's hit in the
+    benchmark at C (a benchmark may warm some points' prompts and not others); the fitted
+    parameters keep ``params``' own.
     """
+
+    def at(p: SimParams, c: int) -> SimParams:
+        return p if prefix_hit is None else replace(p, engine=replace(p.engine, prefix_cache_hit=prefix_hit(c)))
+
     lo, hi = min(ttft_ms), max(ttft_ms)
     bare = replace(params, engine=replace(params.engine, request_latency_us=0, request_serial_us=0))
-    lat_us = max(0, int(round(ttft_ms[lo] * 1000 - sim_ttft_us(bare, workload(lo)))))
+    lat_us = max(0, int(round(ttft_ms[lo] * 1000 - sim_ttft_us(at(bare, lo), workload(lo)))))
     out = replace(params, engine=replace(bare.engine, request_latency_us=lat_us))
     if hi > lo:
-        serial_us = max(0, int(round((ttft_ms[hi] * 1000 - sim_ttft_us(out, workload(hi))) / (hi / 2))))
+        serial_us = max(0, int(round((ttft_ms[hi] * 1000 - sim_ttft_us(at(out, hi), workload(hi))) / (hi / 2))))
         out = replace(out, engine=replace(out.engine, request_serial_us=serial_us))
     return out
 
@@ -472,6 +493,7 @@ def fit_sim(
         if n_admit:
             report.fitted.append(
                 f"admission cost {lp.admit_us / 1000:.1f} ms + {lp.admit_seq_us:.0f} us per running request "
+                f"- {lp.admit_hide:.2f} x the step it joins, at least 0 "
                 f"({n_admit} admissions; a record with prefill and the one before it)"
             )
         report.step_mape_fit = step_mape(lp, all_steps)

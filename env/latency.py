@@ -57,7 +57,11 @@ C = 1 and 0.40x at C = 64-128; ``v0_fix``/``v0_seq`` carry that kernel's extra c
 Switching depth costs nothing of its own (measured: a 0→3→0 round trip is within noise).
 
 Prefill of ``P`` prompt tokens between two decode steps adds
-``t_fix + pf_scale·(gemm(w, f, P) + tok·P) + layers·fix_dec + pf_attn·P`` (chunked, one pass).
+``t_fix + pf_scale·(gemm(w, f, P) + tok·P) + layers·fix_dec + pf_attn·P`` (chunked, one pass),
+and the admission's own cost ``max(0, admit + admit_seq·B − admit_hide·T)``, ``T`` the step it
+joins without it (fitted to traces, :func:`env.fit.fit_admission`; 0 in the profile-built
+deployments): SGLang's overlap scheduler prepares an admission while the GPU runs a step, so a
+longer step hides more of it.
 
 Every pass formula is written once, as compiled scalar kernels (:func:`_target_pass`,
 :func:`_draft_pass`, :func:`_attn_pass`) over the coefficient array of :func:`step_coeffs`;
@@ -161,6 +165,10 @@ class LatencyParams:
     # admission cost the speculative server 40-90 ms against a 7-10 ms decode step.
     admit_us: float = 0.0
     admit_seq_us: float = 0.0  # ... per request already running
+    # ... less this many µs per µs of the step it joins (at most all of it): SGLang's overlap
+    # scheduler prepares an admission while the GPU runs the step, so a longer step hides more
+    # of it (H100 testbed: 9-16 ms beside 7-8 ms depth-0 steps, 1-2 ms beside 25 ms depth-3 ones).
+    admit_hide: float = 0.0
     jitter: float = 0.01
     rel_se: dict[str, float] | None = None
 
@@ -212,7 +220,7 @@ STEP_COEFFS = (
     "d_fix_us", "d_fc_us", "d_w_us", "d_f_us_per_tok", "d_tok_us_per_tok", "d_layers",
     "oh_us", "oh_spec_us", "oh_req_us",
     "off_verify", "off_extend", "v0_fix_us", "v0_seq_us",
-    "pf_attn_us_per_tok", "pf_scale", "verify_seq_us", "admit_us", "admit_seq_us",
+    "pf_attn_us_per_tok", "pf_scale", "verify_seq_us", "admit_us", "admit_seq_us", "admit_hide",
 )  # fmt: skip
 (
     I_T_FIX, I_W, I_F, I_P, I_TOK, I_LAYERS,
@@ -221,8 +229,8 @@ STEP_COEFFS = (
     I_D_FIX, I_D_FC, I_D_W, I_D_F, I_D_TOK, I_D_LAYERS,
     I_OH, I_OH_SPEC, I_OH_REQ,
     I_OFF_VERIFY, I_OFF_EXTEND, I_V0_FIX, I_V0_SEQ,
-    I_PF_ATTN, I_PF_SCALE, I_VER_SEQ, I_ADMIT, I_ADMIT_SEQ,
-) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38)  # fmt: skip
+    I_PF_ATTN, I_PF_SCALE, I_VER_SEQ, I_ADMIT, I_ADMIT_SEQ, I_ADMIT_HIDE,
+) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39)  # fmt: skip
 I_SPLIT_Q = I_SPLIT + 4
 
 _COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
@@ -347,7 +355,9 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
     Compiled when numba is installed, and callable from other kernels of this module.
     """
     b = float(bs)
-    t = _with_prefill(c, c[I_OH] + c[I_OH_REQ] * b, prefill_tokens, b)
+    t0 = c[I_OH] + c[I_OH_REQ] * b
+    t = _with_prefill(c, t0, prefill_tokens, b)
+    pf = t - t0  # the prefill pass and the admission's own cost (0 without a prefill)
     if depth > 0:
         q = depth + 1.0
         t += c[I_OH_SPEC]
@@ -361,6 +371,8 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
             t += _extend_seq(c, b)
         elif c[I_OFF_EXTEND] != 0.0:  # the off switch: its share of the drafter's one-token extend
             t += c[I_OFF_EXTEND] * (_draft_pass(c, b, 1.0, ctx_tokens, False) + _extend_seq(c, b))
+    if pf > 0.0 and c[I_ADMIT_HIDE] != 0.0:  # the part of the admission the step hides
+        t -= min(c[I_ADMIT] + c[I_ADMIT_SEQ] * b, c[I_ADMIT_HIDE] * (t - pf))
     return float(t)
 
 

@@ -172,6 +172,7 @@ def simulate(
         and n_requests is None
         and engine.spec.n_requests is None
         and engine.spec.kind != "replay"
+        and not engine.spec.requests_path
     ):
         raise ConfigError("simulate: give duration_s or n_requests for an endless workload")
     # The policy's own Featurizer version (a zip trained on an older one reads its own).

@@ -46,6 +46,12 @@ option                         meaning
                                (default: the deployment's ``code_shift``)
 ``odd_long=F:LO-HI``           with ``phase:``, ``long`` for requests arriving in odd
                                half-periods (even ones keep ``long``, or none)
+``requests=PATH``              the requests themselves, in the order they are sent: a CSV with
+                               ``prompt_tokens,output_tokens`` and optionally ``zero_accept``
+                               (1: a request the drafter cannot help, the fitted acceptance's
+                               zero part; 0: the other part; absent: drawn, as without it);
+                               arrivals stop after its last row (a benchmark's exact requests,
+                               ``bench/h200/realgpu_sim.py``)
 =============================  ================================================================
 
 Example: ``closed:1@prompt=128,output=256,accept_shift=1.0``;
@@ -121,6 +127,7 @@ class WorkloadSpec:
     task_mix: tuple[tuple[str, float], ...] = ()
     odd_shift: float | None = None
     output_sigma: float | None = None
+    requests_path: str = ""
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -188,15 +195,19 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
                     kw[{"prompt": "prompt_tokens", "output": "output_tokens", "n": "n_requests"}[key]] = num
                 elif key == "accept_shift":
                     kw["accept_shift"] = float(val)
+                elif key == "requests":
+                    if not val:
+                        raise ValueError
+                    kw["requests_path"] = val
                 else:
                     raise ConfigError(
                         f"workload {spec!r}: unknown option {key!r} (prompt, output, accept_shift, n, "
-                        "long, mix, odd_shift, odd_long)"
+                        "long, mix, odd_shift, odd_long, requests)"
                     )
             except ValueError:
                 raise ConfigError(
                     f"workload {spec!r}: option {item!r} needs a positive number (a range LO-HI, "
-                    "a log-normal N~S, a fraction F:LO-HI, or TASK:F+TASK:F)"
+                    "a log-normal N~S, a fraction F:LO-HI, TASK:F+TASK:F, or a PATH)"
                 ) from None
     kind, _, rest = base.partition(":")
     if kind == "preset":
@@ -241,6 +252,11 @@ def parse_workload(spec: str, presets: dict[str, str] | None = None) -> Workload
     return WorkloadSpec(kind=kind, args=args, text=text, **kw)  # type: ignore[arg-type]
 
 
+# One request as it arrives: (t_us, prompt_tokens, output_tokens, accept_shift, zero_accept);
+# zero_accept None: the engine draws the request's acceptance part itself.
+Arrival = tuple[int, int, int, float, "bool | None"]
+
+
 class Arrivals:
     """Generates the request stream of one workload, from its own RNG stream.
 
@@ -260,9 +276,14 @@ class Arrivals:
         self._next_t: int | None = None
         self._replay: list[tuple[int, int, int | None]] = []
         self._replay_i = 0
-        self._pending: list[tuple[int, int, int, float]] = []  # closed-loop arrivals due
+        self._pending: list[Arrival] = []  # closed-loop arrivals due
         if spec.kind == "replay":
             self._replay = load_replay(spec.path)
+        # requests=PATH: each issued request's lengths (and acceptance part) from its row.
+        self._requests = load_requests(spec.requests_path) if spec.requests_path else []
+        self.limit = spec.n_requests
+        if self._requests:
+            self.limit = len(self._requests) if self.limit is None else min(self.limit, len(self._requests))
         if self.closed:
             for _ in range(self.closed):
                 self._issue_closed(0)
@@ -277,6 +298,9 @@ class Arrivals:
         return int(t_us // (self.spec.phase_period_s * 5e5)) % 2 == 1
 
     def _lengths(self, t_us: int = 0) -> tuple[int, int]:
+        if self._requests:
+            prompt, out, _ = self._requests[self.issued]
+            return prompt, out
         wp, s = self.wp, self.spec
         frac, rng_lh = s.long_frac, s.long_range
         if s.odd_long_frac is not None and self._odd(t_us):
@@ -321,8 +345,12 @@ class Arrivals:
                 u -= frac
         return shift
 
+    def _zero(self) -> bool | None:
+        """The acceptance part of the request about to be issued, if ``requests=`` fixes it."""
+        return self._requests[self.issued][2] if self._requests else None
+
     def _exhausted(self) -> bool:
-        return self.spec.n_requests is not None and self.issued >= self.spec.n_requests
+        return self.limit is not None and self.issued >= self.limit
 
     # -- open loop ---------------------------------------------------------------
     def _rate(self, t_s: float) -> float:
@@ -367,8 +395,8 @@ class Arrivals:
             return self._pending[0][0]
         return self._next_t
 
-    def pop(self) -> tuple[int, int, int, float]:
-        """The next arrival: (t_us, prompt_tokens, output_tokens, accept_shift)."""
+    def pop(self) -> Arrival:
+        """The next arrival: (t_us, prompt_tokens, output_tokens, accept_shift, zero_accept)."""
         if self._pending:
             return self._pending.pop(0)
         t = self._next_t
@@ -380,23 +408,58 @@ class Arrivals:
                 out = self._lengths(t)[1]
         else:
             prompt, out = self._lengths(t)
+        zero = self._zero()
         self.issued += 1
         shift = self.shift_at(t, prompt)
         self._advance(t)
-        return t, prompt, out, shift
+        return t, prompt, out, shift, zero
 
     # -- closed loop ---------------------------------------------------------------
     def _issue_closed(self, t_us: int) -> None:
         if self._exhausted():
             return
         prompt, out = self._lengths(t_us)
+        zero = self._zero()
         self.issued += 1
-        self._pending.append((t_us, prompt, out, self.shift_at(t_us, prompt)))
+        self._pending.append((t_us, prompt, out, self.shift_at(t_us, prompt), zero))
 
     def on_complete(self, t_us: int) -> None:
         """A request completed at ``t_us``: in a closed loop its client sends the next one."""
         if self.closed:
             self._issue_closed(t_us)
+
+
+def load_requests(path: str) -> list[tuple[int, int, bool | None]]:
+    """The requests of ``requests=PATH``, in order: [(prompt_tokens, output_tokens,
+    zero_accept|None)].
+
+    Raises:
+        ConfigError: unreadable file, missing columns, bad values, or no rows; names the path.
+    """
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(path)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"requests {path}: cannot read ({type(exc).__name__})") from None
+    for col in ("prompt_tokens", "output_tokens"):
+        if col not in df.columns:
+            raise ConfigError(
+                f"requests {path}: missing column {col!r} (need prompt_tokens, output_tokens[, zero_accept])"
+            )
+    if len(df) == 0:
+        raise ConfigError(f"requests {path}: no rows")
+    has_zero = "zero_accept" in df.columns
+    rows: list[tuple[int, int, bool | None]] = []
+    for i, r in enumerate(df.itertuples(index=False)):
+        prompt, out = int(r.prompt_tokens), int(r.output_tokens)  # type: ignore[attr-defined]
+        zero = int(r.zero_accept) if has_zero else None  # type: ignore[attr-defined]
+        if prompt < 1 or out < 1 or zero not in (None, 0, 1):
+            raise ConfigError(
+                f"requests {path}: row {i + 1} needs prompt_tokens, output_tokens >= 1 and zero_accept 0 or 1"
+            )
+        rows.append((prompt, out, None if zero is None else bool(zero)))
+    return rows
 
 
 def load_replay(path: str) -> list[tuple[int, int, int | None]]:

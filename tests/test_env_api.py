@@ -244,6 +244,45 @@ def test_replay_csv(tmp_path):
         simulate(load_deployment("seed"), f"replay:{bad}", StaticPolicy(0, DEPTHS), depths=DEPTHS)
 
 
+def test_closed_loop_sends_the_requests_of_a_file_in_order(tmp_path):
+    """``requests=PATH``: each request's lengths from its row, in the order sent; ``zero_accept``
+    puts it in the fitted acceptance's zero part (1) or the other (0); the loop stops after the
+    last row (no ``n=`` needed). A benchmark's own requests replayed (realgpu_sim.py)."""
+    from env.workload import Arrivals
+
+    path = tmp_path / "requests.csv"
+    path.write_text("prompt_tokens,output_tokens\n100,20\n300,40\n50,10\n")
+    wp = load_deployment("seed").workload
+    arr = Arrivals(parse_workload(f"closed:2@requests={path}"), wp, 0.8, np.random.default_rng(0))
+    first = [arr.pop()[1:3] for _ in range(2)]  # the two clients' first requests
+    arr.on_complete(5)
+    assert first + [arr.pop()[1:3]] == [(100, 20), (300, 40), (50, 10)]
+    arr.on_complete(6)
+    assert arr.peek() is None  # the file is exhausted
+    r = simulate(load_deployment("seed"), f"closed:2@requests={path}", StaticPolicy(0, DEPTHS), depths=DEPTHS)
+    assert r.n_requests == 3 and r.tokens == 70
+
+    # The acceptance part: at depth 3, requests the drafter cannot help take about a step per
+    # token; the same requests in the other part take far fewer.
+    steps = {}
+    for zero in (0, 1):
+        f = tmp_path / f"zero{zero}.csv"
+        f.write_text("prompt_tokens,output_tokens,zero_accept\n" + f"128,400,{zero}\n" * 4)
+        run = simulate(load_deployment("seed"), f"closed:1@requests={f}", StaticPolicy(3, DEPTHS), depths=DEPTHS)
+        assert run.tokens == 1600
+        steps[zero] = run.steps
+    assert steps[1] > 0.9 * 1600 and steps[0] < 0.7 * steps[1]
+
+    for text, match in [("when,prompt\n1,2\n", "missing column"), ("prompt_tokens,output_tokens\n", "no rows"),
+                        ("prompt_tokens,output_tokens,zero_accept\n10,5,2\n", "row 1")]:  # fmt: skip
+        bad = tmp_path / "bad.csv"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            simulate(load_deployment("seed"), f"closed:1@requests={bad}", StaticPolicy(0, DEPTHS), depths=DEPTHS)
+    with pytest.raises(ConfigError):
+        parse_workload("closed:1@requests=")
+
+
 def test_params_json_roundtrip_and_perturb(tmp_path):
     for name in DEPLOYMENTS:
         p = load_deployment(name)

@@ -453,6 +453,41 @@ def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys
     assert "2 closed workloads" in capsys.readouterr().err
 
 
+def test_the_replay_sends_each_repetition_its_own_requests_and_cache_state(tmp_path: Path) -> None:
+    """realgpu_sim replays the requests realgpu.py sent (the point's seed in that repetition:
+    output lengths and families, ``docs`` as the fit's zero-acceptance part), and a point whose
+    prompts realgpu.py did not warm (they do not fit in half the KV cap) runs cold."""
+    import realgpu_sim
+    from loadgen import LoadSpec, families, output_lengths
+
+    # 8C requests of 256 tokens: warmed at C = 16 under a 131,072-token cap, cold at C = 64.
+    assert realgpu.prewarmed(128, 256, 131072) and not realgpu.prewarmed(512, 256, 131072)
+    assert not realgpu.prewarmed(128, 256, 131072, prewarm="none")
+    load = realgpu_sim.point_load("closed-mix-256-128~0.7", 16, 7, 8, "chat,code,docs")
+    sent = LoadSpec(16, 128, 256, 128, seed=realgpu.point_seed(7, 16), mix="chat,code,docs", output_sigma=0.7)
+    assert load == sent and realgpu.point_seed(7, 16) != realgpu.point_seed(8, 16)
+    path = realgpu_sim.write_requests(load, tmp_path / "r.csv")
+    with path.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["output_tokens"]) for r in rows] == output_lengths(sent)
+    assert [r["zero_accept"] == "1" for r in rows] == [f == "docs" for f in families(sent)]
+    assert {r["prompt_tokens"] for r in rows} == {"256"}
+
+    # The same point replayed warm and cold: a cold point prefills every prompt, so it is slower.
+    sim = ROOT / "bench" / "results" / "realgpu" / "h100" / "ppo-retrained" / "sim.json"
+    from env.params import SimParams
+
+    params = SimParams.from_dict(json.loads(sim.read_text()))
+    points = {("closed-mix-256-128~0.7", "static:0", 16): {7: 1000.0}}
+    warm_call = realgpu_sim.call_args(None)
+    warm_call.max_total_tokens = 131072
+    cold_call = realgpu_sim.call_args(None)
+    cold_call.max_total_tokens = 8192
+    warm = realgpu_sim.replay(params, points, 2, 8, call=warm_call)[0][3]
+    cold = realgpu_sim.replay(params, points, 2, 8, call=cold_call)[0][3]
+    assert warm is not None and cold is not None and cold < warm
+
+
 def test_drawn_output_lengths_are_the_simulators_distribution() -> None:
     """``loadgen`` (stdlib, on the device) and ``env.workload`` (``output=N~S``) draw output
     lengths from one distribution: log-normal around N, within the same bounds. Fixed lengths

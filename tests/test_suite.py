@@ -66,14 +66,14 @@ def test_long_prompts_accept_less_through_the_deployment_not_the_workload():
     from env.deployments import load_deployment
 
     arr = _arrivals("poisson:50@prompt=100-32000", 300)
-    assert all(shift == 0.0 for *_, shift in arr)
+    assert all(a[3] == 0.0 for a in arr)  # (t, prompt, out, shift, zero_accept)
     acc = load_deployment("h200-llama8b").acceptance
     assert acc.ctx_shift(20_000) < acc.ctx_shift(2_000) <= 0.0
 
 
 def test_phase_odd_shift_and_odd_long_follow_the_half_periods():
     arr = _arrivals("phase:10:poisson:40@accept_shift=-3,odd_shift=4,odd_long=1.0:8192-9000", 800)
-    for t_us, prompt, _, shift in arr:
+    for t_us, prompt, _, shift, _ in arr:
         odd = int(t_us // 5e6) % 2 == 1
         assert shift == (1.0 if odd else -3.0)
         assert 8192 <= prompt <= 9000 if odd else prompt <= 8192

@@ -100,6 +100,19 @@ def default_policies(stage: str, repo: Path = policyswap.REPO) -> list[str]:
     return ["plain", *SGLANG_RULES, "static:1", "static:3", *ppo]  # open: 3-5 min each (REALGPU.md)
 
 
+def point_seed(rep: int, c: int, stage: str = "closed") -> int:
+    """The seed of a point's requests (prompts, families, output lengths): the same for every
+    policy within a repetition, new in each; ``realgpu_sim.py`` replays the same requests."""
+    return 1000 * rep + c + (0 if stage == "closed" else 500)
+
+
+def prewarmed(n_requests: int, input_tokens: int, max_total_tokens: int, prewarm: str = "point") -> bool:
+    """Whether a point's prompts are sent once before it is timed, so that SGLang's radix cache
+    holds them: with ``--prewarm point``, when they fit in half the KV cap. A point that does
+    not fit runs cold (8C requests of 256 tokens at C = 64 are 131,072 tokens)."""
+    return prewarm == "point" and n_requests * input_tokens <= max_total_tokens // 2
+
+
 def rotate(items: list[Any], rep: int) -> list[Any]:
     """``items`` starting a third further on at each repetition: over three repetitions every
     policy runs once early, once midway and once late, so slow drift hits each alike."""
@@ -172,10 +185,7 @@ class Bench:
         return time.time() + need_s < self.deadline
 
     def measure(self, server: offswitch.Server, policy: str, spec: LoadSpec, rep: int, workload: str) -> None:
-        if (
-            self.args.prewarm == "point"
-            and spec.n_requests * spec.input_tokens <= self.args.max_total_tokens // 2
-        ):
+        if prewarmed(spec.n_requests, spec.input_tokens, self.args.max_total_tokens, self.args.prewarm):
             run_load(server.url, LoadSpec(spec.concurrency, spec.n_requests, spec.input_tokens, 1, spec.seed,
                                           spec.mix), timeout_s=300)  # fmt: skip
         m = run_load(server.url, spec, timeout_s=max(60.0, self.deadline - time.time() + 120))
@@ -257,8 +267,8 @@ def stage_loop(bench: Bench, args: argparse.Namespace, stage: str) -> None:
                     bench.book.res.event("skipped", stage=stage, policy=policy, rep=rep, c=c)
                     continue
                 n = max(4, args.requests_per_conc * c) if stage == "closed" else c
-                spec = LoadSpec(c, n, n_in, args.output_tokens, seed=1000 * rep + c + (0 if stage == "closed" else 500),
-                                mix=args.mix, output_sigma=args.output_sigma)  # fmt: skip
+                spec = LoadSpec(c, n, n_in, args.output_tokens, seed=point_seed(rep, c, stage), mix=args.mix,
+                                output_sigma=args.output_sigma)  # fmt: skip
                 bench.measure(server, policy, spec, rep, workload)
 
 

@@ -5,13 +5,22 @@ Run: ``python bench/h200/realgpu_sim.py --sim FIT/sim.json CALL.csv [CALL.csv ..
 ``summary.csv``, one per call).
 
 For every closed point (policy, C) of the CSVs except ``plain``, the same benchmark in the
-simulator: closed loop at C with the point's prompt and output lengths (fixed, or drawn
-log-normally for a ``N~SIGMA`` workload, policies labelled ``[N~SIGMA]``), max(4, R·C)
-requests (what ``realgpu.py --requests-per-conc R`` sends; give the call's R), the policy
-deciding one step late, throughput = output tokens / wall time of the whole run, mean over
-``--seeds``. The benchmark sends every point's prompts once
-before timing it, so SGLang's radix cache holds them: ``--prefix-hit`` (default 0.99, what the
-H200 traces showed, ``bench/sim_vs_real.py``) replaces the fit's. The HTTP and tokenizer path
+simulator: closed loop at C, max(4, R·C) requests (what ``realgpu.py --requests-per-conc R``
+sends; give the call's R), the policy deciding one step late, throughput = output tokens /
+wall time of the whole run, mean over ``--seeds`` (the engine's acceptance draws) and over the
+point's repetitions. With ``--draws exact`` (the default) each repetition replays the requests
+the call sent in it (``realgpu.point_seed``): their output lengths, and their families, a
+family whose drafter accepts under 10% a position (``docs``) as the fit's zero-acceptance
+part, the others as its other part (``requests=`` of :mod:`env.workload`). With ``fresh`` the
+simulator draws its own: the point's prompt and output lengths (fixed, or log-normal for a
+``N~SIGMA`` workload) and the fit's acceptance mixture; one repetition's length draws alone
+move a point's throughput by 6-9% at C = 64 with 8C requests, so ``fresh`` compares
+distributions, not runs. Policies of an ``N~SIGMA`` workload are labelled ``[N~SIGMA]``.
+``realgpu.py`` sends a point's prompts once before timing it only when they fit in half the KV
+cap (``realgpu.prewarmed``): those points replay with ``--prefix-hit`` (default 0.99, what the
+H200 traces showed, ``bench/sim_vs_real.py``) in place of the fit's, the others with none.
+``--call-args`` reads the call's KV cap, prewarm rule and family mix from its point file
+(``offswitch.json`` or a committed copy; else ``realgpu.py``'s defaults). The HTTP and tokenizer path
 before the scheduler, which no step record sees, is left at the fit's (none) unless
 ``--ttft-points`` names the calls' point files (``offswitch.json`` or a committed copy): then
 it is fitted to the measured time to first token of ``static:0`` at the smallest and largest C
@@ -22,8 +31,10 @@ the mean and worst absolute error.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
+import tempfile
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -32,18 +43,54 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import policyswap  # noqa: E402  (this folder's modules: which zip each policy name serves,
+import loadgen  # noqa: E402  (this folder's modules: the requests a point sends,
+import policyswap  # noqa: E402  which zip each policy name serves,
+import realgpu  # noqa: E402  the call's rules (seeds, prewarm) and the hook server's depths,
 import realgpu_report  # noqa: E402  the calls' summary.csv,
-from realgpu import DEPTHS  # noqa: E402  the hook server's depths)
+import testbed  # noqa: E402  the families' acceptance)
+
+DEPTHS = realgpu.DEPTHS
+ZERO_Q = 0.1  # a family accepting less than this per position is the fit's zero-acceptance part
 
 
-def measured(paths: list[Path]) -> dict[tuple[str, str, int], list[float]]:
-    """(workload, policy, C) → tok/s of each repetition, closed points only."""
-    out: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+def measured(paths: list[Path]) -> dict[tuple[str, str, int], dict[int, float]]:
+    """(workload, policy, C) → {repetition: tok/s}, closed points only."""
+    out: dict[tuple[str, str, int], dict[int, float]] = defaultdict(dict)
     for row in realgpu_report.read_rows(paths):
         if row["workload"].startswith("closed") and row["policy"] != "plain":
-            out[(row["workload"], row["policy"], row["concurrency"])].append(row["tok_s"])
+            out[(row["workload"], row["policy"], row["concurrency"])][row["rep"]] = row["tok_s"]
     return dict(out)
+
+
+def call_args(path: Path | None) -> argparse.Namespace:
+    """The call's ``realgpu.py`` arguments: from its point file, else the script's defaults."""
+    args = realgpu.build_parser().parse_args([])
+    if path is not None:
+        for k, v in json.loads(path.read_text()).get("args", {}).items():
+            setattr(args, k, v)
+    return args
+
+
+def point_load(workload: str, c: int, rep: int, per_conc: int, mix: str) -> loadgen.LoadSpec:
+    """The load ``realgpu.py`` sent for a closed point in repetition ``rep``."""
+    prompt, out = workload.split("-")[-2:]
+    median, _, sigma = out.partition("~")
+    return loadgen.LoadSpec(
+        c, max(4, per_conc * c), int(prompt), int(median), seed=realgpu.point_seed(rep, c), mix=mix,
+        output_sigma=float(sigma or 0.0),
+    )  # fmt: skip
+
+
+def write_requests(spec: loadgen.LoadSpec, path: Path) -> Path:
+    """``spec``'s requests as a ``requests=`` file: lengths, and each family's acceptance part."""
+    fams = loadgen.families(spec)
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["prompt_tokens", "output_tokens", "zero_accept"])
+        for out, fam in zip(loadgen.output_lengths(spec), fams):
+            zero = "" if not fam else int(testbed.FAMILIES[fam].q < ZERO_Q)
+            w.writerow([spec.input_tokens, out, zero])
+    return path
 
 
 def measured_ttft(files: list[Path], policy: str = "static:0") -> tuple[str, dict[int, float]]:
@@ -69,7 +116,14 @@ def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
 
 
 def replay(
-    params: Any, points: dict[tuple[str, str, int], list[float]], seeds: int, per_conc: int = 2
+    params: Any,
+    points: dict[tuple[str, str, int], dict[int, float]],
+    seeds: int,
+    per_conc: int = 2,
+    *,
+    exact: bool = True,
+    call: argparse.Namespace | None = None,
+    prefix_hit: float = 0.99,
 ) -> list[tuple[str, int, list[float], float | None]]:
     """Each point's benchmark in the simulator: (policy, C, measured tok/s per repetition,
     simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule)."""
@@ -77,27 +131,32 @@ def replay(
     from controller.registry import make_factory
     from env.runner import simulate
 
+    call = call or call_args(None)
     out: list[tuple[str, int, list[float], float | None]] = []
-    for (workload, policy, c), reps in sorted(points.items()):
-        spec = policyswap.resolve(policy).spec
-        label = f"{policy} [{workload.split('-')[-1]}]" if "~" in workload else policy
-        try:
-            factory = make_factory(spec, DEPTHS)
-        except PolicyLoadError:
-            out.append((label, c, reps, None))
-            continue
-        sims = [
-            simulate(
-                params,
-                sim_workload(workload, c, per_conc),
-                factory(DEPTHS),
-                depths=DEPTHS,
-                seed=seed,
-                action_delay=1,
-            ).throughput_tok_s
-            for seed in range(seeds)
-        ]
-        out.append((label, c, reps, float(np.mean(sims))))
+    with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
+        for (workload, policy, c), reps in sorted(points.items()):
+            spec = policyswap.resolve(policy).spec
+            label = f"{policy} [{workload.split('-')[-1]}]" if "~" in workload else policy
+            try:
+                factory = make_factory(spec, DEPTHS)
+            except PolicyLoadError:
+                out.append((label, c, list(reps.values()), None))
+                continue
+            load = point_load(workload, c, min(reps), per_conc, call.mix)
+            cached = realgpu.prewarmed(load.n_requests, load.input_tokens, call.max_total_tokens, call.prewarm)
+            point = replace(params, engine=replace(params.engine, prefix_cache_hit=prefix_hit if cached else 0.0))
+            if exact:  # the requests each repetition sent
+                loads = [point_load(workload, c, r, per_conc, call.mix) for r in sorted(reps)]
+                files = [write_requests(ld, Path(tmp) / f"{c}-{ld.seed}.csv") for ld in loads]
+                specs = [f"closed:{c}@requests={f}" for f in files]
+            else:
+                specs = [sim_workload(workload, c, per_conc)]
+            sims = [
+                simulate(point, wl, factory(DEPTHS), depths=DEPTHS, seed=seed, action_delay=1).throughput_tok_s
+                for wl in specs
+                for seed in range(seeds)
+            ]
+            out.append((label, c, [reps[r] for r in sorted(reps)], float(np.mean(sims))))
     return out
 
 
@@ -108,7 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim", type=Path, required=True, help="the fitted sim.json")
     ap.add_argument("csv", type=Path, nargs="+", help="realgpu summary.csv files (or the call folders)")
     ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--prefix-hit", type=float, default=0.99)
+    ap.add_argument(
+        "--prefix-hit", type=float, default=0.99,
+        help="the radix cache's hit on a point whose prompts were sent before it (others: 0)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--draws", choices=("exact", "fresh"), default="exact",
+        help="exact: replay the requests each repetition sent; fresh: the simulator draws its own",
+    )  # fmt: skip
+    ap.add_argument(
+        "--call-args", type=Path,
+        help="a call's point file (offswitch.json or a committed copy): its KV cap, prewarm rule and mix",
+    )  # fmt: skip
     ap.add_argument(
         "--requests-per-conc", type=int, default=2,
         help="the calls' realgpu.py --requests-per-conc (a point sends max(4, this x C) requests)",
@@ -121,13 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests_per_conc < 1:
         ap.error("--requests-per-conc must be at least 1")
     missing = [str(args.sim)] if not args.sim.is_file() else []
+    missing += [str(args.call_args)] if args.call_args is not None and not args.call_args.is_file() else []
     missing += [str(p) for p in args.ttft_points if not p.is_file()]
     missing += [str(p) for p in args.csv if not (p.is_file() or (p / "summary.csv").is_file())]
     if missing:
         print(f"realgpu_sim: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     params = SimParams.from_dict(json.loads(args.sim.read_text()))
-    params = replace(params, engine=replace(params.engine, prefix_cache_hit=args.prefix_hit))
+    call = call_args(args.call_args)
     if args.ttft_points:
         from env.fit import fit_request_path
 
@@ -139,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         if not ttft:
             print("realgpu_sim: no static:0 time to first token in the points files", file=sys.stderr)
             return 2
-        params = fit_request_path(params, ttft, lambda c: sim_workload(workload, c, args.requests_per_conc))
+        def hit(c: int) -> float:
+            load = point_load(workload, c, 1, args.requests_per_conc, call.mix)
+            cached = realgpu.prewarmed(load.n_requests, load.input_tokens, call.max_total_tokens, call.prewarm)
+            return args.prefix_hit if cached else 0.0
+
+        params = fit_request_path(params, ttft, lambda c: sim_workload(workload, c, args.requests_per_conc), hit)
         e = params.engine
         print(
             f"request path fitted to static:0's TTFT at C = {min(ttft)} and {max(ttft)} "
@@ -149,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
     print("|---|---|---|---|---|")
     errors = []
-    for policy, c, reps, sim in replay(params, measured(args.csv), args.seeds, args.requests_per_conc):
+    points = replay(
+        params, measured(args.csv), args.seeds, args.requests_per_conc,
+        exact=args.draws == "exact", call=call, prefix_hit=args.prefix_hit,
+    )  # fmt: skip
+    for policy, c, reps, sim in points:
         real = float(np.mean(reps))
         if sim is None:
             print(f"| {policy} | {c} | {real:.0f} | - | not simulated |")
