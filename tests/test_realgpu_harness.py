@@ -479,10 +479,13 @@ def test_the_replay_sends_each_repetition_its_own_requests_and_cache_state(tmp_p
 
     params = SimParams.from_dict(json.loads(sim.read_text()))
     points = {("closed-mix-256-128~0.7", "static:0", 16): {7: 1000.0}}
-    warm_call = realgpu_sim.call_args(None)
+    warm_call = realgpu_sim.call_args(None)  # realgpu.py's defaults
     warm_call.max_total_tokens = 131072
-    cold_call = realgpu_sim.call_args(None)
-    cold_call.max_total_tokens = 8192
+    assert warm_call.prewarm == "point" and warm_call.mix == "chat,code,docs" and warm_call.requests_per_conc == 2
+    points_file = tmp_path / "offswitch.json"  # what a call wrote: its arguments, as run
+    points_file.write_text(json.dumps({"args": {"max_total_tokens": 8192, "requests_per_conc": 8}, "points": []}))
+    cold_call = realgpu_sim.call_args(points_file)
+    assert cold_call.max_total_tokens == 8192 and cold_call.requests_per_conc == 8
     warm = realgpu_sim.replay(params, points, 2, 8, call=warm_call)[0][3]
     cold = realgpu_sim.replay(params, points, 2, 8, call=cold_call)[0][3]
     assert warm is not None and cold is not None and cold < warm

@@ -180,15 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         help="a call's point file (offswitch.json or a committed copy): its KV cap, prewarm rule and mix",
     )  # fmt: skip
     ap.add_argument(
-        "--requests-per-conc", type=int, default=2,
-        help="the calls' realgpu.py --requests-per-conc (a point sends max(4, this x C) requests)",
+        "--requests-per-conc", type=int, default=None,
+        help="the calls' realgpu.py --requests-per-conc (a point sends max(4, this x C) requests; "
+        "default: --call-args', else realgpu.py's default, 2)",
     )  # fmt: skip
     ap.add_argument(
         "--ttft-points", type=Path, action="append", default=[],
         help="a call's point file (offswitch.json; repeatable): fit the request path to static:0's measured TTFTs",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    if args.requests_per_conc < 1:
+    if args.requests_per_conc is not None and args.requests_per_conc < 1:
         ap.error("--requests-per-conc must be at least 1")
     missing = [str(args.sim)] if not args.sim.is_file() else []
     missing += [str(args.call_args)] if args.call_args is not None and not args.call_args.is_file() else []
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     params = SimParams.from_dict(json.loads(args.sim.read_text()))
     call = call_args(args.call_args)
+    if args.requests_per_conc is None:
+        args.requests_per_conc = int(call.requests_per_conc)
     if args.ttft_points:
         from env.fit import fit_request_path
 
