@@ -452,13 +452,17 @@ def load_requests(path: str) -> list[tuple[int, int, bool | None]]:
     has_zero = "zero_accept" in df.columns
     rows: list[tuple[int, int, bool | None]] = []
     for i, r in enumerate(df.itertuples(index=False)):
-        prompt, out = int(r.prompt_tokens), int(r.output_tokens)  # type: ignore[attr-defined]
-        zero = int(r.zero_accept) if has_zero else None  # type: ignore[attr-defined]
-        if prompt < 1 or out < 1 or zero not in (None, 0, 1):
+        try:
+            prompt, out = int(r.prompt_tokens), int(r.output_tokens)  # type: ignore[attr-defined]
+            z = r.zero_accept if has_zero else None  # type: ignore[attr-defined]
+            zero = None if z is None or (isinstance(z, float) and math.isnan(z)) else float(z)  # blank: drawn
+            if prompt < 1 or out < 1 or zero not in (None, 0.0, 1.0):
+                raise ValueError
+        except (TypeError, ValueError):
             raise ConfigError(
-                f"requests {path}: row {i + 1} needs prompt_tokens, output_tokens >= 1 and zero_accept 0 or 1"
-            )
-        rows.append((prompt, out, None if zero is None else bool(zero)))
+                f"requests {path}: row {i + 1} needs prompt_tokens, output_tokens >= 1 and zero_accept 0, 1 or blank"
+            ) from None
+        rows.append((prompt, out, None if zero is None else zero == 1.0))
     return rows
 
 

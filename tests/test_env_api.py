@@ -272,9 +272,14 @@ def test_closed_loop_sends_the_requests_of_a_file_in_order(tmp_path):
         assert run.tokens == 1600
         steps[zero] = run.steps
     assert steps[1] > 0.9 * 1600 and steps[0] < 0.7 * steps[1]
+    blank = tmp_path / "blank.csv"  # a blank acceptance part is drawn, as without the column
+    blank.write_text("prompt_tokens,output_tokens,zero_accept\n100,20,\n100,20,1\n")
+    arr = Arrivals(parse_workload(f"closed:2@requests={blank}"), wp, 0.8, np.random.default_rng(0))
+    assert [arr.pop()[4] for _ in range(2)] == [None, True]
 
     for text, match in [("when,prompt\n1,2\n", "missing column"), ("prompt_tokens,output_tokens\n", "no rows"),
-                        ("prompt_tokens,output_tokens,zero_accept\n10,5,2\n", "row 1")]:  # fmt: skip
+                        ("prompt_tokens,output_tokens,zero_accept\n10,5,2\n", "row 1"),
+                        ("prompt_tokens,output_tokens\n10,x\n", "row 1")]:  # fmt: skip
         bad = tmp_path / "bad.csv"
         bad.write_text(text)
         with pytest.raises(ConfigError, match=match):
