@@ -429,6 +429,27 @@ class Arrivals:
             self._issue_closed(t_us)
 
 
+def _read_csv(what: str, path: str, need: tuple[str, ...], columns: str) -> Any:
+    """``path`` as a pandas frame with at least the columns ``need`` and one row.
+
+    Raises:
+        ConfigError: unreadable, a missing column (``columns`` says which are expected), or no
+            rows; names ``what`` and the path.
+    """
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(path)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what} {path}: cannot read ({type(exc).__name__})") from None
+    for col in need:
+        if col not in df.columns:
+            raise ConfigError(f"{what} {path}: missing column {col!r} (need {columns})")
+    if len(df) == 0:
+        raise ConfigError(f"{what} {path}: no rows")
+    return df
+
+
 def load_requests(path: str) -> list[tuple[int, int, bool | None]]:
     """The requests of ``requests=PATH``, in order: [(prompt_tokens, output_tokens,
     zero_accept|None)].
@@ -436,19 +457,7 @@ def load_requests(path: str) -> list[tuple[int, int, bool | None]]:
     Raises:
         ConfigError: unreadable file, missing columns, bad values, or no rows; names the path.
     """
-    import pandas as pd
-
-    try:
-        df = pd.read_csv(path)
-    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"requests {path}: cannot read ({type(exc).__name__})") from None
-    for col in ("prompt_tokens", "output_tokens"):
-        if col not in df.columns:
-            raise ConfigError(
-                f"requests {path}: missing column {col!r} (need prompt_tokens, output_tokens[, zero_accept])"
-            )
-    if len(df) == 0:
-        raise ConfigError(f"requests {path}: no rows")
+    df = _read_csv("requests", path, ("prompt_tokens", "output_tokens"), "prompt_tokens, output_tokens[, zero_accept]")
     has_zero = "zero_accept" in df.columns
     rows: list[tuple[int, int, bool | None]] = []
     for i, r in enumerate(df.itertuples(index=False)):
@@ -486,19 +495,7 @@ def load_replay(path: str) -> list[tuple[int, int, int | None]]:
         out.sort()
         t0 = out[0][0]
         return [(t - t0, p, o) for t, p, o in out]
-    import pandas as pd
-
-    try:
-        df = pd.read_csv(path)
-    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"replay {path}: cannot read ({type(exc).__name__})") from None
-    for col in ("arrival_s", "prompt_tokens"):
-        if col not in df.columns:
-            raise ConfigError(
-                f"replay {path}: missing column {col!r} (need arrival_s, prompt_tokens[, output_tokens])"
-            )
-    if len(df) == 0:
-        raise ConfigError(f"replay {path}: no rows")
+    df = _read_csv("replay", path, ("arrival_s", "prompt_tokens"), "arrival_s, prompt_tokens[, output_tokens]")
     df = df.sort_values("arrival_s")
     t0_s = float(df["arrival_s"].iloc[0])
     has_out = "output_tokens" in df.columns

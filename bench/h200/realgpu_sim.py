@@ -81,6 +81,14 @@ def point_load(workload: str, c: int, rep: int, per_conc: int, mix: str) -> load
     )  # fmt: skip
 
 
+def point_hit(workload: str, c: int, per_conc: int, call: argparse.Namespace, prefix_hit: float) -> float:
+    """The prefix-cache hit of a closed point: ``prefix_hit`` where ``realgpu.py`` sent its
+    prompts before timing it, 0 where it ran cold."""
+    load = point_load(workload, c, 1, per_conc, call.mix)
+    cached = realgpu.prewarmed(load.n_requests, load.input_tokens, call.max_total_tokens, call.prewarm)
+    return prefix_hit if cached else 0.0
+
+
 def write_requests(spec: loadgen.LoadSpec, path: Path) -> Path:
     """``spec``'s requests as a ``requests=`` file: lengths, and each family's acceptance part."""
     fams = loadgen.families(spec)
@@ -142,9 +150,8 @@ def replay(
             except PolicyLoadError:
                 out.append((label, c, list(reps.values()), None))
                 continue
-            load = point_load(workload, c, min(reps), per_conc, call.mix)
-            cached = realgpu.prewarmed(load.n_requests, load.input_tokens, call.max_total_tokens, call.prewarm)
-            point = replace(params, engine=replace(params.engine, prefix_cache_hit=prefix_hit if cached else 0.0))
+            hit = point_hit(workload, c, per_conc, call, prefix_hit)
+            point = replace(params, engine=replace(params.engine, prefix_cache_hit=hit))
             if exact:  # the requests each repetition sent
                 loads = [point_load(workload, c, r, per_conc, call.mix) for r in sorted(reps)]
                 files = [write_requests(ld, Path(tmp) / f"{c}-{ld.seed}.csv") for ld in loads]
@@ -213,12 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         if not ttft:
             print("realgpu_sim: no static:0 time to first token in the points files", file=sys.stderr)
             return 2
-        def hit(c: int) -> float:
-            load = point_load(workload, c, 1, args.requests_per_conc, call.mix)
-            cached = realgpu.prewarmed(load.n_requests, load.input_tokens, call.max_total_tokens, call.prewarm)
-            return args.prefix_hit if cached else 0.0
-
-        params = fit_request_path(params, ttft, lambda c: sim_workload(workload, c, args.requests_per_conc), hit)
+        params = fit_request_path(
+            params, ttft, lambda c: sim_workload(workload, c, args.requests_per_conc),
+            lambda c: point_hit(workload, c, args.requests_per_conc, call, args.prefix_hit),
+        )  # fmt: skip
         e = params.engine
         print(
             f"request path fitted to static:0's TTFT at C = {min(ttft)} and {max(ttft)} "
