@@ -170,9 +170,8 @@ def simulate(
     if (
         duration_s is None
         and n_requests is None
-        and engine.spec.n_requests is None
+        and engine.arrivals.limit is None  # n= or requests= bounds the arrivals
         and engine.spec.kind != "replay"
-        and not engine.spec.requests_path
     ):
         raise ConfigError("simulate: give duration_s or n_requests for an endless workload")
     # The policy's own Featurizer version (a zip trained on an older one reads its own).
