@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pack SGLang 0.5.17 and what it needs on top of the device image into .h200pack/ (about 59 MB),
+# Pack SGLang 0.5.17 and what it needs on top of the device image into .h200pack/ (about 48 MB),
 # so that one device call carries everything (the device has no network; its python3 is 3.12
 # with torch 2.11.0+cu130, which sglang 0.5.17 pins). Also trains and packs the tokenizer.
 #
@@ -47,6 +47,12 @@ rm -f "$WORK"/site/sglang/srt/server/_core.*.so "$WORK"/site/sglang/srt/grpc/_co
 # SGLang's diffusion runtime and test helpers: the LLM server never imports them, and without
 # them the pack plus the repo stays under the device tool's 64 MiB per call.
 rm -rf "$WORK"/site/sglang/multimodal_gen "$WORK"/site/sglang/test
+# Headers and data that only compile or transform quantized models (DeepGEMM's JIT for fp8,
+# compressed-tensors' Hadamard tables): the bf16 models never use them, and the tree grows with
+# every call's results. (tvm-ffi's libtvm_ffi_testing.so looks like a test library, but its
+# core links it: without it no server starts.)
+rm -rf "$WORK"/site/deep_gemm/include \
+       "$WORK"/site/compressed_tensors/transform/utils/hadamards.safetensors
 tar -C "$WORK/site" -cf - . | xz -T0 -9 > "$OUT/site.tar.xz"
 
 "$PY" bench/h200/make_tokenizer.py --out "$WORK/tokenizer"
