@@ -404,7 +404,8 @@ def test_report_refuses_calls_from_different_gpus(tmp_path: Path) -> None:
 def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys) -> None:
     """realgpu_sim: each closed point's own benchmark in the simulator fitted to the H100 calls'
     traces, against what those calls measured (static:0 at C=1: 144-145 tok/s; static:3 at
-    C=4: 622-666); a policy it cannot run is listed, not dropped; plain is the baseline."""
+    C=4: 622-666); plain and SGLang's rule are simulated as the servers they are; a policy it
+    cannot run is listed, not dropped."""
     import realgpu_sim
 
     path = tmp_path / "summary.csv"
@@ -418,6 +419,7 @@ def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys
             ("static:3", 4, 1, 666.1),
             ("static:3", 4, 2, 621.6),
             ("sglang-adaptive-default", 1, 1, 150.0),
+            ("gone.zip", 1, 1, 150.0),
         ]:
             w.writerow(["closed-mix-256-128", c, policy, rep, tok_s, 6.0, 6.5, 0])
     sim = ROOT / "bench" / "results" / "realgpu" / "h100" / "ppo-retrained" / "sim.json"
@@ -428,11 +430,15 @@ def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys
         for r in out.splitlines()
         if r.startswith("| ") and "policy" not in r
     }
-    assert set(rows) == {(" static:0 ", " 1 "), (" static:3 ", " 4 "), (" sglang-adaptive-default ", " 1 ")}
-    assert rows[(" sglang-adaptive-default ", " 1 ")][1].strip() == "not simulated"
+    assert set(rows) == {
+        (" plain ", " 1 "), (" static:0 ", " 1 "), (" static:3 ", " 4 "), (" sglang-adaptive-default ", " 1 "), (" gone.zip ", " 1 "),
+    }  # fmt: skip
+    assert rows[(" gone.zip ", " 1 ")][1].strip() == "not simulated"
+    assert abs(float(rows[(" plain ", " 1 ")][0]) / 158.5 - 1) < 0.10
     assert abs(float(rows[(" static:0 ", " 1 ")][0]) / 144.9 - 1) < 0.10
     assert abs(float(rows[(" static:3 ", " 4 ")][0]) / 643.85 - 1) < 0.15
-    assert "2 points: mean absolute error" in out
+    assert "2 points of the hook server's policies: mean absolute error" in out
+    assert "2 points of the servers of their own (plain, SGLang's rule): mean absolute error" in out
     assert realgpu_sim.main(["--sim", str(tmp_path / "none.json"), str(path)]) == 2
 
     # --ttft-points: the request path fitted to static:0's measured TTFTs (the mean per C over
@@ -451,6 +457,28 @@ def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys
     other.write_text(json.dumps({"points": [{**pt, "workload": "closed-mix-256-64", "concurrency": 1, "ttft_ms_mean": 9.0}]}))
     assert realgpu_sim.main(["--sim", str(sim), str(path), "--ttft-points", str(points), "--ttft-points", str(other)]) == 2
     assert "2 closed workloads" in capsys.readouterr().err
+
+
+def test_the_replay_runs_plain_and_sglangs_rule_as_their_servers_run() -> None:
+    """The servers of their own replay as they run: ``plain`` with no drafter at all (faster
+    than the hook server's depth 0, which stores the drafter's keys and values); SGLang's rule
+    with its default tiers, whose depth 0 at batch 64 is SGLang's width-1 verify (slower than
+    the off switch's depth 0), on its own depths (its tiers reach 7, the server ran
+    ``--speculative-num-steps 7``)."""
+    import realgpu_sim
+
+    from env.params import SimParams
+
+    assert realgpu_sim.SERVER_SIMS["sglang-adaptive-default"][1] == (0, 1, 3, 5, 7)
+    assert realgpu_sim.SERVER_SIMS["sglang-adaptive-tuned"][1] == realgpu.DEPTHS
+    assert set(realgpu_sim.SERVER_SIMS) == set(realgpu.SERVER_POLICIES) & set(realgpu_sim.SERVER_SIMS)
+    sim = ROOT / "bench" / "results" / "realgpu" / "h100" / "drawn" / "fit-mn.json"
+    params = SimParams.from_dict(json.loads(sim.read_text()))
+    w = "closed-mix-256-128"
+    points = {(w, p, 64): {1: 1000.0} for p in ("plain", "static:0", "sglang-adaptive-default")}
+    got = {label: tok_s for label, _, _, tok_s in realgpu_sim.replay(params, points, 2, 2)}
+    assert got["sglang-adaptive-default"] < 0.8 * got["static:0"] < 0.8 * got["plain"]
+    assert got["static:0"] < got["plain"] < 1.1 * got["static:0"]
 
 
 def test_the_replay_sends_each_repetition_its_own_requests_and_cache_state(tmp_path: Path) -> None:

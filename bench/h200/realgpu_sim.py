@@ -4,8 +4,8 @@ Run: ``python bench/h200/realgpu_sim.py --sim FIT/sim.json CALL.csv [CALL.csv ..
 (``FIT``: what ``controller train --traces`` wrote; the CSVs: ``realgpu.py``'s
 ``summary.csv``, one per call).
 
-For every closed point (policy, C) of the CSVs except ``plain``, the same benchmark in the
-simulator: closed loop at C, max(4, R·C) requests (what ``realgpu.py --requests-per-conc R``
+For every closed point (policy, C) of the CSVs, the same benchmark in the simulator (the
+servers of their own, ``plain`` and SGLang's rule, as :data:`SERVER_SIMS` says): closed loop at C, max(4, R·C) requests (what ``realgpu.py --requests-per-conc R``
 sends; give the call's R), the policy deciding one step late, throughput = output tokens /
 wall time of the whole run, mean over ``--seeds`` (the engine's acceptance draws) and over the
 point's repetitions. With ``--draws exact`` (the default) each repetition replays the requests
@@ -25,7 +25,8 @@ before the scheduler, which no step record sees, is left at the fit's (none) unl
 ``--ttft-points`` names the calls' point files (``offswitch.json`` or a committed copy): then
 it is fitted to the measured time to first token of ``static:0`` at the smallest and largest C
 (``env.fit.fit_request_path``, as ``bench/sim_vs_real.py`` does). Prints one row per point and
-the mean and worst absolute error.
+the mean and worst absolute error, apart for the hook server's policies (which the fit's step
+records are of) and for the servers of their own.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from controller.baselines import SGLANG_DEFAULT_ADAPTIVE_CONFIG  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen  # noqa: E402  (this folder's modules: the requests a point sends,
 import policyswap  # noqa: E402  which zip each policy name serves,
@@ -51,13 +55,27 @@ import testbed  # noqa: E402  the families' acceptance)
 
 DEPTHS = realgpu.DEPTHS
 ZERO_Q = 0.1  # a family accepting less than this per position is the fit's zero-acceptance part
+# The policies that are servers of their own (realgpu.SERVER_POLICIES), as the simulator runs
+# them: the rule, its depths, and how that server runs depth 0 (``LatencyParams.off_path`` and
+# ``off_extend``). The plain server is depth 0 with no drafter at all; SGLang's rule runs
+# SGLang's own depth 0 (a width-1 verify), with its default tiers' depths (``--speculative-
+# num-steps 7``) or, tuned, the hook server's.
+_SGLANG_DEFAULT_DEPTHS = tuple(
+    sorted({0, *(d for tier in SGLANG_DEFAULT_ADAPTIVE_CONFIG.values() for d in tier["candidate_steps"])})  # type: ignore[attr-defined]
+)
+SERVER_SIMS: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]] = {
+    "plain": ("builtin:static:0", DEPTHS, {"off_path": "plain", "off_extend": 0.0}),
+    "plain-rec": ("builtin:static:0", DEPTHS, {"off_path": "plain", "off_extend": 0.0}),
+    "sglang-adaptive-default": ("builtin:sglang-adaptive", _SGLANG_DEFAULT_DEPTHS, {"off_path": "verify"}),
+    "sglang-adaptive-tuned": ("builtin:sglang-adaptive-all", DEPTHS, {"off_path": "verify"}),
+}
 
 
 def measured(paths: list[Path]) -> dict[tuple[str, str, int], dict[int, float]]:
     """(workload, policy, C) → {repetition: tok/s}, closed points only."""
     out: dict[tuple[str, str, int], dict[int, float]] = defaultdict(dict)
     for row in realgpu_report.read_rows(paths):
-        if row["workload"].startswith("closed") and row["policy"] != "plain":
+        if row["workload"].startswith("closed"):
             out[(row["workload"], row["policy"], row["concurrency"])][row["rep"]] = row["tok_s"]
     return dict(out)
 
@@ -143,15 +161,17 @@ def replay(
     out: list[tuple[str, int, list[float], float | None]] = []
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         for (workload, policy, c), reps in sorted(points.items()):
-            spec = policyswap.resolve(policy).spec
+            spec, depths, server = SERVER_SIMS.get(policy, (policyswap.resolve(policy).spec, DEPTHS, {}))
             label = f"{policy} [{workload.split('-')[-1]}]" if "~" in workload else policy
             try:
-                factory = make_factory(spec, DEPTHS)
+                factory = make_factory(spec, depths)
             except PolicyLoadError:
                 out.append((label, c, list(reps.values()), None))
                 continue
             hit = point_hit(workload, c, per_conc, call, prefix_hit)
-            point = replace(params, engine=replace(params.engine, prefix_cache_hit=hit))
+            point = replace(
+                params, engine=replace(params.engine, prefix_cache_hit=hit), latency=replace(params.latency, **server)
+            )
             if exact:  # the requests each repetition sent
                 loads = [point_load(workload, c, r, per_conc, call.mix) for r in sorted(reps)]
                 files = [write_requests(ld, Path(tmp) / f"{c}-{ld.seed}.csv") for ld in loads]
@@ -159,7 +179,7 @@ def replay(
             else:
                 specs = [sim_workload(workload, c, per_conc)]
             sims = [
-                simulate(point, wl, factory(DEPTHS), depths=DEPTHS, seed=seed, action_delay=1).throughput_tok_s
+                simulate(point, wl, factory(depths), depths=depths, seed=seed, action_delay=1).throughput_tok_s
                 for wl in specs
                 for seed in range(seeds)
             ]
@@ -232,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
     print("|---|---|---|---|---|")
-    errors = []
+    errors: dict[bool, list[float]] = {False: [], True: []}  # by: is the point a server of its own
     points = replay(
         params, measured(args.csv), args.seeds, args.requests_per_conc,
         exact=args.draws == "exact", call=call, prefix_hit=args.prefix_hit,
@@ -242,14 +262,17 @@ def main(argv: list[str] | None = None) -> int:
         if sim is None:
             print(f"| {policy} | {c} | {real:.0f} | - | not simulated |")
             continue
-        errors.append(sim / real - 1.0)
+        errors[policy.split(" [")[0] in SERVER_SIMS].append(sim / real - 1.0)
         print(
             f"| {policy} | {c} | {real:.0f} ({min(reps):.0f}-{max(reps):.0f}) | {sim:.0f} | {100 * (sim / real - 1):+.1f}% |"
         )
-    if errors:
-        err = np.abs(np.array(errors))
-        worst = errors[int(np.argmax(err))]
-        print(f"\n{len(err)} points: mean absolute error {100 * err.mean():.1f}%, worst {100 * worst:+.1f}%")
+    # The fit is of the hook server's step records: its policies are what it predicts; the
+    # servers of their own (no step record of theirs in the fit) are a separate question.
+    for own, what in ((False, "the hook server's policies"), (True, "the servers of their own (plain, SGLang's rule)")):
+        if errors[own]:
+            err = np.abs(np.array(errors[own]))
+            worst = errors[own][int(np.argmax(err))]
+            print(f"\n{len(err)} points of {what}: mean absolute error {100 * err.mean():.1f}%, worst {100 * worst:+.1f}%")
     return 0
 
 
