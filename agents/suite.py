@@ -20,7 +20,8 @@ and reported as missing; once a deployment JSON of that name exists they run unc
 Change a suite's scenarios only under a new name: results are compared across commits by
 suite name. ``decisions-v2`` is ``decisions-v1`` plus scenarios that carry their own objective
 (goodput under a TPOT target, :attr:`Scenario.objective`), scored by it whatever
-``--objective`` says.
+``--objective`` says; ``decisions-v3`` is ``decisions-v1`` plus four scenarios where the right
+depth moves (below).
 """
 
 from __future__ import annotations
@@ -158,6 +159,26 @@ SUITES["decisions-v2"] = SUITES["decisions-v1"] + (
     Scenario("llama8b/wave-overload-slo10", "h200-llama8b", f"wave:{{0.03}},{{1.4}},60@{_TASKS}", 60, True, True,
              label="open loop, trickle → 1.4× capacity → trickle; goodput under TPOT ≤ 10 ms",
              objective="slo:10"),
+)  # fmt: skip
+
+# decisions-v3: decisions-v1 unchanged, plus four scenarios where the right depth moves, so that
+# half the suite has headroom (oracle ÷ best static ≥ 5%). Chosen, by that headroom on the
+# suite's seeds, from 18 candidates that carry v1's shifts to the deployments and loads v1 left
+# them off (docs/results.md lists them all): code ↔ long-document phases at low load on the 8B,
+# and the drafter's swings at low load and in an open-loop wave on the 70B. None of the
+# candidates on h200-llama8b-longctx, and none on seed at C ≥ 4, reached 5%: there one low
+# depth is right whatever shifts.
+SUITES["decisions-v3"] = SUITES["decisions-v1"] + (
+    Scenario("llama8b/longdoc-phases-c4", "h200-llama8b",
+             "phase:30:closed:4@odd_long=0.8:8192-32000,accept_shift=0.55,odd_shift=-4.25", 60, True,
+             label="C=4, code phases ↔ long-document phases (8k-32k prompts, 5–8% acceptance)"),
+    Scenario("llama8b/longdoc-phases-c2", "h200-llama8b",
+             "phase:30:closed:2@odd_long=0.8:8192-32000,accept_shift=0.55,odd_shift=-4.25", 60, True,
+             label="C=2, code phases ↔ long-document phases"),
+    Scenario("70b/drafter-alt-c4", "h200-70b", f"phase:20:closed:4@{_ALT}", 60, True,
+             label="70B, C=4, drafter quality −3 ↔ +1 logits"),
+    Scenario("70b/wave-drafter-alt", "h200-70b", f"phase:16:wave:{{0.03}},{{1.2}},60@{_ALT}", 60, True, True,
+             label="70B, open loop trickle → overload, drafter −3 ↔ +1 every 8 s"),
 )  # fmt: skip
 
 

@@ -199,6 +199,28 @@ def test_decisions_v2_is_v1_unchanged_plus_scenarios_with_their_own_slo():
         assert parse_objective(s.objective).is_slo and "slo" in s.name
 
 
+def test_decisions_v3_is_v1_unchanged_plus_scenarios_where_the_right_depth_moves(tmp_path):
+    """v3 adds four scenarios to v1 (whose results stay comparable) and each has headroom: over
+    the suite's 5 seeds the clairvoyant oracle beats every static depth by 5% or more (with
+    fewer seeds it need not: 2 seeds give 70b/drafter-alt-c4 2.7%)."""
+    v1, v3 = get_suite("decisions-v1"), get_suite("decisions-v3")
+    assert v3[: len(v1)] == v1
+    extra = v3[len(v1) :]
+    assert len(extra) == 4 and all(s.objective is None and s.shifting for s in extra)
+    cfg = EvalConfig(
+        suite="decisions-v3",
+        baselines="static:0,static:1,static:2,static:3,static:5,oracle",
+        out=tmp_path / "out",
+        seeds=5,
+        only=tuple(s.name for s in extra),
+    )
+    evaluate(cfg)
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(res["workloads"]) == {s.name for s in extra}
+    for name, w in res["workloads"].items():
+        assert w["headroom"] >= 1.05, (name, w["headroom"])
+
+
 def test_a_scenario_with_its_own_objective_is_scored_by_it(tmp_path, monkeypatch):
     tiny = (
         Scenario("t/c8", "h200-llama8b", "closed:8", 4, False),
