@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from agents.suite import SUITES
 from controller.errors import ConfigError
 from controller.objective import OBJECTIVE_HELP
 
@@ -101,7 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     src.add_argument("--deployment", help="a bundled deployment (h200-llama8b, seed)")
     src.add_argument(
         "--suite",
-        help="a named, held-out scenario suite across deployments (agents/suite.py: decisions-v1, decisions-v2); "
+        help=f"a named, held-out scenario suite across deployments (agents/suite.py: {', '.join(SUITES)}); "
         "a zip path may hold {deployment}",
     )
     e.add_argument("--policy", action="append", default=[], help="PPO zip or builtin:NAME (repeatable)")
