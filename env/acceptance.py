@@ -266,6 +266,38 @@ def fit_acceptance(
     return ap, report
 
 
+def with_zero_share(ap: AcceptanceParams, p_zero: float, depths: tuple[int, ...] = (1, 2, 3, 4, 5)) -> AcceptanceParams:
+    """The population the fit ``ap`` describes, re-expressed with ``p_zero`` near-non-accepters.
+
+    Step records pool their requests' accept counts without saying which request is which, so a
+    fit identifies the step-weighted accept-length distributions, and along a ridge of nearly
+    equal likelihood a smaller ``p_zero`` trades against a lower ``alpha`` and a rising
+    ``beta`` (on the H100 testbed: ``p_zero`` 0.29, ``alpha`` 0.78, ``beta`` +0.075, where a
+    third of the requests are documents and the others accept a flat 0.72-0.75 a position). A
+    replay that knows which requests are near-non-accepters (``requests=`` with
+    ``zero_accept``) must take the member of that ridge with their share, or it gives every
+    other request the lower ``alpha``. This keeps ``sigma`` and chooses ``alpha``, ``beta`` and
+    ``zero_logit`` so that the step-weighted distributions at ``depths`` stay ``ap``'s (least
+    Kullback-Leibler divergence).
+    """
+    from scipy.optimize import minimize
+
+    if not 0.0 <= p_zero < 1.0:
+        raise FitError(f"acceptance: p_zero must be in [0, 1), got {p_zero}")
+    want = {d: accept_length_pmf(ap, d, 0.0, step_weighted=True) for d in depths}
+
+    def kl(th: np.ndarray) -> float:
+        moved = replace(ap, alpha=th[0], beta=th[1], zero_logit=th[2], p_zero=p_zero)
+        return sum(
+            float(w @ (np.log(np.maximum(w, 1e-300)) - np.log(np.maximum(accept_length_pmf(moved, d, 0.0, True), 1e-300))))
+            for d, w in want.items()
+        )
+
+    res = minimize(kl, np.array([ap.alpha, ap.beta, ap.zero_logit]), method="Nelder-Mead",
+                   options={"xatol": 1e-6, "fatol": 1e-12, "maxiter": 4000})  # fmt: skip
+    return replace(ap, alpha=float(res.x[0]), beta=float(res.x[1]), zero_logit=float(res.x[2]), p_zero=float(p_zero))
+
+
 def calibrate_context(
     ap: AcceptanceParams, depth: int, points: tuple[tuple[float, float], tuple[float, float]]
 ) -> AcceptanceParams:

@@ -18,9 +18,11 @@ from env.acceptance import (
     fit_acceptance,
     marginal_conditionals,
     mean_accept_length,
+    with_zero_share,
 )
 from env.deployments import DEPLOYMENTS, load_deployment
 from env.engine import Engine
+from env.errors import FitError
 from env.latency import step_time_us
 
 CTX_PER_SEQ = 320  # the off-switch runs: prompt 256 and, on average, half of 128 output tokens
@@ -150,6 +152,23 @@ def test_ml_fit_recovers_a_bimodal_population():
     fit, rep = fit_acceptance(counts, AcceptanceParams())
     assert fit.p_zero == pytest.approx(0.35, abs=0.05)
     assert rep["tv_mean"] < 0.01
+
+
+def test_a_fit_is_taken_at_a_known_share_of_near_non_accepters():
+    """with_zero_share: the H100 testbed's shape (a third of the requests accept 6% a position,
+    the rest a flat 0.73). Along the fit's ridge a smaller share trades against a lower alpha
+    and a rising beta with the step-weighted histograms nearly unchanged; taking the ridge at
+    the known share gives the population back."""
+    true = replace(AcceptanceParams(), alpha=1.0, beta=0.0, sigma=0.05, p_zero=1 / 3, zero_logit=-3.7)
+    off = with_zero_share(true, 0.29)
+    for d in (1, 3, 5):  # the data cannot tell the two apart ...
+        assert np.abs(accept_length_pmf(off, d, 0.0, True) - accept_length_pmf(true, d, 0.0, True)).sum() < 0.02
+    assert off.alpha < true.alpha - 0.1 and off.beta > 0.02  # ... but the accepting requests differ
+    back = with_zero_share(off, 1 / 3)
+    assert back.alpha == pytest.approx(1.0, abs=0.05) and abs(back.beta) < 0.02
+    assert back.zero_logit == pytest.approx(-3.7, abs=0.3) and back.p_zero == pytest.approx(1 / 3)
+    with pytest.raises(FitError):
+        with_zero_share(true, 1.0)
 
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)

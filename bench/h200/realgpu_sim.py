@@ -11,7 +11,9 @@ wall time of the whole run, mean over ``--seeds`` (the engine's acceptance draws
 point's repetitions. With ``--draws exact`` (the default) each repetition replays the requests
 the call sent in it (``realgpu.point_seed``): their output lengths, and their families, a
 family whose drafter accepts under 10% a position (``docs``) as the fit's zero-acceptance
-part, the others as its other part (``requests=`` of :mod:`env.workload`). With ``fresh`` the
+part, the others as its other part (``requests=`` of :mod:`env.workload`), the fit's
+population taken at the mix's share of that part (:func:`zero_share`,
+``env.acceptance.with_zero_share``). With ``fresh`` the
 simulator draws its own: the point's prompt and output lengths (fixed, or log-normal for a
 ``N~SIGMA`` workload) and the fit's acceptance mixture; one repetition's length draws alone
 move a point's throughput by 6-9% at C = 64 with 8C requests, so ``fresh`` compares
@@ -134,6 +136,14 @@ def measured_ttft(files: list[Path], policy: str = "static:0") -> tuple[str, dic
     return workloads.pop(), {c: float(np.mean(v)) for c, v in sorted(by_c.items())}
 
 
+def zero_share(mix: str) -> float:
+    """The share of a call's requests in the fit's zero-acceptance part: ``loadgen`` draws each
+    request's family uniformly from the mix, and a family accepting under :data:`ZERO_Q` a
+    position (``docs``) is that part."""
+    names = [f for f in mix.split(",") if f]
+    return sum(testbed.FAMILIES[f].q < ZERO_Q for f in names) / len(names) if names else 0.0
+
+
 def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
     """The simulator's spec for a closed point of ``realgpu.py``: ``closed-mix-IN-OUT`` (OUT
     ``N`` or ``N~SIGMA``, drawn output lengths) at C, max(4, ``per_conc``·C) requests."""
@@ -155,9 +165,16 @@ def replay(
     simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule)."""
     from controller.errors import PolicyLoadError
     from controller.registry import make_factory
+    from env.acceptance import with_zero_share
     from env.runner import simulate
 
     call = call or call_args(None)
+    if exact and zero_share(call.mix) > 0.0:
+        # Each replayed request is in the zero part or not as its family says, so the fit's
+        # population is taken at that share (env.acceptance.with_zero_share): the fit alone
+        # put 0.29 of the H100 testbed's requests there, where a third are documents, and gave
+        # the rest too low an acceptance (drafting policies 5-10% slow at C = 1-4).
+        params = replace(params, acceptance=with_zero_share(params.acceptance, zero_share(call.mix)))
     out: list[tuple[str, int, list[float], float | None]] = []
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         for (workload, policy, c), reps in sorted(points.items()):
