@@ -5,8 +5,9 @@ Run: ``python bench/h200/realgpu_sim.py --sim FIT/sim.json CALL.csv [CALL.csv ..
 ``summary.csv``, one per call).
 
 For every closed point (policy, C) of the CSVs, the same benchmark in the simulator (the
-servers of their own, ``plain`` and SGLang's rule, as :data:`SERVER_SIMS` says): closed loop at C, max(4, R·C) requests (what ``realgpu.py --requests-per-conc R``
-sends; give the call's R), the policy deciding one step late, throughput = output tokens /
+servers of their own, ``plain`` and SGLang's rule, as :data:`SERVER_SIMS` says): closed loop
+at C, max(4, R·C) requests (what ``realgpu.py --requests-per-conc R`` sends; give the call's
+R), the policy deciding one step late, throughput = output tokens /
 wall time of the whole run, mean over ``--seeds`` (the engine's acceptance draws) and over the
 point's repetitions. With ``--draws exact`` (the default) each repetition replays the requests
 the call sent in it (``realgpu.point_seed``): their output lengths, and their families, a
