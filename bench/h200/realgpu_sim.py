@@ -66,12 +66,18 @@ ZERO_Q = 0.1  # a family accepting less than this per position is the fit's zero
 _SGLANG_DEFAULT_DEPTHS = tuple(
     sorted({0, *(d for tier in SGLANG_DEFAULT_ADAPTIVE_CONFIG.values() for d in tier["candidate_steps"])})  # type: ignore[attr-defined]
 )
+_PLAIN = ("builtin:static:0", DEPTHS, {"off_path": "plain", "off_extend": 0.0})
 SERVER_SIMS: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]] = {
-    "plain": ("builtin:static:0", DEPTHS, {"off_path": "plain", "off_extend": 0.0}),
-    "plain-rec": ("builtin:static:0", DEPTHS, {"off_path": "plain", "off_extend": 0.0}),
+    "plain": _PLAIN,
+    "plain-rec": _PLAIN,  # the same server, started through the hook's launcher
     "sglang-adaptive-default": ("builtin:sglang-adaptive", _SGLANG_DEFAULT_DEPTHS, {"off_path": "verify"}),
     "sglang-adaptive-tuned": ("builtin:sglang-adaptive-all", DEPTHS, {"off_path": "verify"}),
 }
+
+
+def in_zero_part(family: str) -> bool:
+    """Whether a testbed family's requests are the fit's zero-acceptance part (``docs``)."""
+    return testbed.FAMILIES[family].q < ZERO_Q
 
 
 def measured(paths: list[Path]) -> dict[tuple[str, str, int], dict[int, float]]:
@@ -117,7 +123,7 @@ def write_requests(spec: loadgen.LoadSpec, path: Path) -> Path:
         w = csv.writer(fh)
         w.writerow(["prompt_tokens", "output_tokens", "zero_accept"])
         for out, fam in zip(loadgen.output_lengths(spec), fams):
-            zero = "" if not fam else int(testbed.FAMILIES[fam].q < ZERO_Q)
+            zero = "" if not fam else int(in_zero_part(fam))
             w.writerow([spec.input_tokens, out, zero])
     return path
 
@@ -142,7 +148,7 @@ def zero_share(mix: str) -> float:
     request's family uniformly from the mix, and a family accepting under :data:`ZERO_Q` a
     position (``docs``) is that part."""
     names = [f for f in mix.split(",") if f]
-    return sum(testbed.FAMILIES[f].q < ZERO_Q for f in names) / len(names) if names else 0.0
+    return sum(in_zero_part(f) for f in names) / len(names) if names else 0.0
 
 
 def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
