@@ -20,10 +20,8 @@ This module makes depth 0 a plain decode without forking SGLang, through two ARO
   verify bookkeeping, unchanged: a one-token "tree" accepts its root and samples the bonus
   token from the same logits a plain decode samples from, so greedy outputs are identical.
 
-Two more hooks act at every depth. One fixes a 0.5.17 bug that made the drafter's extend run
-eagerly at every adaptive depth but the starting one (:func:`draft_extend_width_hook`); the other
-hands 0.5.17's speculative KV allocation its lengths as a list, as 0.5.23 reads them
-(:func:`spec_alloc_hook`, ``SPECDEPTH_SPEC_ALLOC=sglang`` leaves SGLang's reads).
+A third hook fixes a 0.5.17 bug that made the drafter's extend run eagerly at every adaptive
+depth but the starting one (:func:`draft_extend_width_hook`).
 
 What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT``:
 
@@ -111,11 +109,6 @@ DRAFT = WORKER + ".EagleDraftWorker.draft"
 DRAFT_PREFILL = WORKER + ".EagleDraftWorker._draft_extend_for_prefill"
 # The width the drafter's extend graphs are captured at, as the graph runner looks it up.
 DRAFT_EXTEND_WIDTH = "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.resolve_num_tokens_per_req"
-# The KV allocation of every EAGLE decode step, as eagle_utils binds it.
-SPEC_ALLOC = "sglang.srt.speculative.eagle_utils.alloc_for_spec_decode"
-# "list" (default): the allocation reads the next lengths from a list (spec_alloc_hook); "sglang":
-# SGLang's own reads, for side-by-side timing.
-ENV_SPEC_ALLOC = "SPECDEPTH_SPEC_ALLOC"
 
 
 @dataclass(slots=True)
@@ -369,33 +362,6 @@ def draft_extend_width_hook(original: Any, *args: Any, **kwargs: Any) -> Any:
             COUNTERS.errors += 1
             _log_once("width", logging.WARNING, "spec controller: draft-extend width unknown; SGLang's own", exc=True)
     return original(*args, **kwargs)
-
-
-class KVLens(list):  # type: ignore[type-arg]
-    """A batch's next KV lengths as a list that also answers ``tolist()`` (see :func:`spec_alloc_hook`)."""
-
-    def tolist(self) -> list[int]:
-        return self
-
-
-def spec_alloc_hook(original: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``alloc_for_spec_decode`` as the EAGLE step calls it: the next lengths as a list.
-
-    SGLang 0.5.17 ends the allocation with ``int(nxt_kv_lens_cpu[i])`` for each request, a
-    tensor read of 1-2 µs apiece: 99.7 µs a step at batch 64 on the H100 host, every step at
-    every depth, where the plain server's decode allocation reads a list. 0.5.23 reads
-    ``nxt_kv_lens_cpu.tolist()`` once. With one-token pages that loop is the tensor's only reader
-    (other page sizes hand it to the paged allocator, so they are left alone), and a list that
-    answers ``tolist()`` serves both versions the same numbers.
-    """
-    lens = kwargs.get("nxt_kv_lens_cpu")
-    try:
-        if lens is not None and not isinstance(lens, list) and tree_cache.token_to_kv_pool_allocator.page_size == 1:
-            kwargs["nxt_kv_lens_cpu"] = KVLens(lens.tolist())
-    except Exception:
-        COUNTERS.errors += 1
-        _log_once("alloc", logging.WARNING, "spec controller: speculative allocation left as SGLang's", exc=True)
-    return original(tree_cache, *args, **kwargs)
 
 
 def kv_only_unsupported(model: Any, pool: Any) -> str:
@@ -904,8 +870,6 @@ def install(register: Any, config: OffConfig) -> None:
     replaced by the KV-only update (:func:`draft_extend_hook`).
     """
     register(DRAFT_EXTEND_WIDTH, draft_extend_width_hook)  # every depth, whatever the off path
-    if _env_choice(ENV_SPEC_ALLOC, ("list", "sglang")) == "list":
-        register(SPEC_ALLOC, spec_alloc_hook)  # every depth too
     if not config.plain:
         return
     if config.draft == "skip":

@@ -17,7 +17,6 @@ import pytest
 
 pytest.importorskip("sglang")
 
-import torch  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.speculative import eagle_worker_v2  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
@@ -273,13 +272,6 @@ def test_plugin_installs_the_off_switch_by_default(monkeypatch: pytest.MonkeyPat
                 assert any(h is fn for _, h, _ in HookRegistry._hooks.get(target, [])) is expect
             width = HookRegistry._hooks.get(off_switch.DRAFT_EXTEND_WIDTH, [])
             assert any(h is off_switch.draft_extend_width_hook for _, h, _ in width)  # either way
-            alloc = HookRegistry._hooks.get(off_switch.SPEC_ALLOC, [])
-            assert any(h is off_switch.spec_alloc_hook for _, h, _ in alloc)  # either way
-        HookRegistry._hooks.clear()
-        monkeypatch.setenv(off_switch.ENV_SPEC_ALLOC, "sglang")  # SGLang's reads, for timing
-        plugin.register()
-        assert not HookRegistry._hooks.get(off_switch.SPEC_ALLOC)
-        monkeypatch.delenv(off_switch.ENV_SPEC_ALLOC)
         monkeypatch.setenv(off_switch.ENV_OFF_PATH, "plain")
         monkeypatch.setenv(off_switch.ENV_OFF_DRAFT, "skip")
         plugin.register()
@@ -322,44 +314,6 @@ def test_draft_extend_graphs_take_the_width_of_the_depth_being_built(monkeypatch
 
     monkeypatch.setattr(runtime_context, "get_spec", broken)
     assert off_switch.draft_extend_width_hook(original, phase="draft_extend", server_args=None) == 4
-
-
-def _alloc_case(page_size: int) -> tuple[Any, list[Any], dict[str, Any]]:
-    """What ``eagle_prepare_for_decode`` hands ``alloc_for_spec_decode``, nothing to allocate."""
-    tree_cache = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(page_size=page_size))
-    reqs = [SimpleNamespace(kv=SimpleNamespace(kv_allocated_len=n)) for n in (5, 40, 9)]
-    nxt = torch.tensor([8, 12, 10], dtype=torch.int64)  # the second request holds more already
-    kwargs = dict(reqs=reqs, req_pool_indices=torch.arange(3), cur_kv_lens=nxt - 1, cur_kv_lens_cpu=nxt - 1,
-                  nxt_kv_lens=nxt, nxt_kv_lens_cpu=nxt, num_needed_tokens=0, batch=None)  # fmt: skip
-    return tree_cache, reqs, kwargs
-
-
-def test_speculative_allocation_reads_the_lengths_as_a_list() -> None:
-    from sglang.srt.mem_cache import allocation
-
-    def sglang_0_5_17(tree_cache: Any, pool: Any, **kw: Any) -> None:  # its last loop, verbatim
-        for i, req in enumerate(kw["reqs"]):
-            req.kv.kv_allocated_len = max(req.kv.kv_allocated_len, int(kw["nxt_kv_lens_cpu"][i]))
-        seen.append(kw["nxt_kv_lens_cpu"])
-
-    for original in (allocation.alloc_for_spec_decode, sglang_0_5_17):  # 0.5.23's real one, 0.5.17's
-        seen: list[Any] = []
-        tree_cache, reqs, kwargs = _alloc_case(1)
-        assert off_switch.spec_alloc_hook(original, tree_cache, "pool", **kwargs) is None
-        assert [r.kv.kv_allocated_len for r in reqs] == [8, 40, 10]
-        assert all(isinstance(x, list) and x == [8, 12, 10] for x in seen)
-    # larger pages hand the tensor to the paged allocator: left as it is
-    seen = []
-    tree_cache, reqs, kwargs = _alloc_case(16)
-    off_switch.spec_alloc_hook(sglang_0_5_17, tree_cache, "pool", **kwargs)
-    assert [r.kv.kv_allocated_len for r in reqs] == [8, 40, 10] and isinstance(seen[0], torch.Tensor)
-    # anything unexpected leaves SGLang's call as it was
-    errors = off_switch.COUNTERS.errors
-    seen = []
-    _, reqs, kwargs = _alloc_case(1)
-    off_switch.spec_alloc_hook(sglang_0_5_17, SimpleNamespace(), "pool", **kwargs)
-    assert [r.kv.kv_allocated_len for r in reqs] == [8, 40, 10] and isinstance(seen[0], torch.Tensor)
-    assert off_switch.COUNTERS.errors == errors + 1
 
 
 def test_sglang_rule_is_quiet_only_while_it_is_not_in_charge() -> None:

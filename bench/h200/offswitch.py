@@ -17,7 +17,6 @@ Servers (``--servers``):
              (``SPECDEPTH_OFF_DRAFT_CHECK``).
   off-keep   the same, the drafter's whole extend kept at depth 0 (``--spec-off-draft keep``).
   off-skip   the same, the drafter's extend skipped at depth 0 (``--spec-off-draft skip``).
-  off-sglalloc  ``off`` with SGLang's own speculative KV allocation (``SPECDEPTH_SPEC_ALLOC=sglang``).
   legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
   plain-rec  the plain server started through the hook's launcher, no speculation: with
              ``--record`` its steps are recorded like the hook servers' (admissions included).
@@ -119,9 +118,6 @@ KINDS = {
     # the KV-only prefill extend asked for by name: the same server as `off` since call I, kept
     # so that the commands of calls F, H and I still run
     "off-pkv": Kind("static:0-pkv", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "kv"))),
-    # the default with SGLang's own speculative KV allocation (0.5.17 reads each request's next
-    # length from a tensor): the side-by-side for sglang_hook.off_switch.spec_alloc_hook
-    "off-sglalloc": Kind("static:0-sglalloc", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_SPEC_ALLOC", "sglang"))),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
