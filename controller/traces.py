@@ -309,10 +309,11 @@ def trace_files(directory: str | os.PathLike[str]) -> list[Path]:
     files = [p for p in folder.iterdir() if p.name.endswith((SUFFIX, GZ_SUFFIX)) and p.is_file()]
     if not files:
         raise TraceError(f"trace folder {str(folder)!r} holds no *{SUFFIX} or *{GZ_SUFFIX} files")
-    return sorted(files, key=_start_key)
+    return sorted(files, key=start_key)
 
 
-def _start_key(path: Path) -> tuple[int, str]:
+def start_key(path: Path) -> tuple[int, str]:
+    """A trace file's ``<name>-<start ns>.msgpack[.gz]`` as (start, name); (0, stem) without a start."""
     stem = path.name.removesuffix(".gz").removesuffix(SUFFIX)
     head, _, start = stem.rpartition("-")
     return (int(start), head) if start.isdigit() else (0, stem)

@@ -20,7 +20,6 @@ only. Usage: ``python bench/h200/trace_points.py TRACE.msgpack.gz [...]``.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 from collections import Counter
@@ -30,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from controller.traces import iter_records  # noqa: E402
+from controller.traces import iter_records, start_key  # noqa: E402
 
 
 def points(steps: list[dict], gap_ms: float) -> list[list[dict]]:
@@ -72,7 +71,7 @@ def describe(point: list[dict]) -> dict[str, Any]:
 def label(path: Path) -> str:
     """``<policy>-<instance>-<start ns>.msgpack.gz`` without its start (which names the
     controller run, not the server), so two servers' traces of one policy read apart."""
-    return re.sub(r"-\d{10,}\.msgpack(\.gz)?$", "", path.name)
+    return start_key(path)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
