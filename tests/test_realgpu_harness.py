@@ -459,6 +459,41 @@ def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys
     assert "2 closed workloads" in capsys.readouterr().err
 
 
+def test_each_call_is_replayed_with_its_own_arguments(tmp_path: Path, capsys) -> None:
+    """realgpu_sim: ``--call-args`` once per CSV replays each call with its own (here the KV
+    cap: the prompts fit half of one call's and were sent before the point, so they replay
+    cached, and not the other's), and the summary is over them all; once, it is every CSV's."""
+    import realgpu_sim
+
+    csvs, args = [], []
+    for name, cap in (("a", 2048), ("b", 131072)):
+        path = tmp_path / f"{name}.csv"
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(realgpu_report.FIELDS)
+            w.writerow(["closed-mix-256-128", 4, "static:0", 1, 600.0, 6.0, 6.5, 0])
+            w.writerow(["closed-mix-256-128", 4, "plain", 1, 600.0, 6.0, 6.5, 0])
+        points = tmp_path / f"{name}.json"
+        points.write_text(json.dumps({"args": {"max_total_tokens": cap}, "points": []}))
+        csvs.append(str(path))
+        args += ["--call-args", str(points)]
+    sim = ROOT / "bench" / "results" / "realgpu" / "h100" / "ppo-retrained" / "sim.json"
+
+    def simulated(argv: list[str], n: int) -> list[float]:
+        assert realgpu_sim.main(["--sim", str(sim), "--seeds", "2", *argv]) == 0
+        out = capsys.readouterr().out
+        assert f"all {n} points: mean absolute error" in out
+        return [float(r.split("|")[4]) for r in out.splitlines() if r.startswith("| static:0 ")]
+
+    own = simulated([*csvs, *args], 4)
+    assert len(own) == 2 and own[0] < own[1]  # cold prompts prefill 256 tokens each, cached ones few
+    # once: the first call's for both CSVs, whose points (the same policy, C and repetition) are one
+    assert simulated([*csvs, *args[:2]], 2) == [own[0]]
+    with pytest.raises(SystemExit):  # three for two CSVs
+        realgpu_sim.main(["--sim", str(sim), *csvs, *args, *args[:2]])
+    assert "once per CSV (2); got 3" in capsys.readouterr().err
+
+
 def test_the_replay_runs_plain_and_sglangs_rule_as_their_servers_run() -> None:
     """The servers of their own replay as they run: ``plain`` with no drafter at all (faster
     than the hook server's depth 0, which stores the drafter's keys and values); SGLang's rule

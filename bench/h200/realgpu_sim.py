@@ -23,7 +23,8 @@ distributions, not runs. Policies of an ``N~SIGMA`` workload are labelled ``[N~S
 cap (``realgpu.prewarmed``): those points replay with ``--prefix-hit`` (default 0.99, what the
 H200 traces showed, ``bench/sim_vs_real.py``) in place of the fit's, the others with none.
 ``--call-args`` reads the call's KV cap, prewarm rule and family mix from its point file
-(``offswitch.json`` or a committed copy; else ``realgpu.py``'s defaults). The HTTP and tokenizer path
+(``offswitch.json`` or a committed copy; else ``realgpu.py``'s defaults); given once per CSV,
+each call is replayed with its own and the summary is over them all. The HTTP and tokenizer path
 before the scheduler, which no step record sees, is left at the fit's (none) unless
 ``--ttft-points`` names the calls' point files (``offswitch.json`` or a committed copy): then
 it is fitted to the measured time to first token of ``static:0`` at the smallest and largest C
@@ -227,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         help="exact: replay the requests each repetition sent; fresh: the simulator draws its own",
     )  # fmt: skip
     ap.add_argument(
-        "--call-args", type=Path,
-        help="a call's point file (offswitch.json or a committed copy): its KV cap, prewarm rule and mix",
+        "--call-args", type=Path, action="append", default=[],
+        help="a call's point file (offswitch.json or a committed copy): its KV cap, prewarm rule and mix; "
+        "once for every CSV, or once per CSV in their order (each call replayed with its own)",
     )  # fmt: skip
     ap.add_argument(
         "--requests-per-conc", type=int, default=None,
@@ -242,18 +244,26 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.requests_per_conc is not None and args.requests_per_conc < 1:
         ap.error("--requests-per-conc must be at least 1")
+    if len(args.call_args) not in (0, 1, len(args.csv)):
+        ap.error(f"--call-args: once, or once per CSV ({len(args.csv)}); got {len(args.call_args)}")
+    if args.ttft_points and len(args.call_args) > 1:
+        ap.error("--ttft-points fits one call's request path: give one --call-args with it")
     missing = [str(args.sim)] if not args.sim.is_file() else []
-    missing += [str(args.call_args)] if args.call_args is not None and not args.call_args.is_file() else []
+    missing += [str(p) for p in args.call_args if not p.is_file()]
     missing += [str(p) for p in args.ttft_points if not p.is_file()]
     missing += [str(p) for p in args.csv if not (p.is_file() or (p / "summary.csv").is_file())]
     if missing:
         print(f"realgpu_sim: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     params = SimParams.from_dict(json.loads(args.sim.read_text()))
-    call = call_args(args.call_args)
-    if args.requests_per_conc is None:
-        args.requests_per_conc = int(call.requests_per_conc)
+    # (the call's arguments, its CSVs): one group for every CSV, or one per CSV
+    if len(args.call_args) > 1:
+        groups = [(call_args(ca), [path]) for ca, path in zip(args.call_args, args.csv)]
+    else:
+        groups = [(call_args(args.call_args[0] if args.call_args else None), list(args.csv))]
+    call = groups[0][0]
     if args.ttft_points:
+        per_conc = args.requests_per_conc or int(call.requests_per_conc)
         from env.fit import fit_request_path
 
         try:
@@ -265,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             print("realgpu_sim: no static:0 time to first token in the points files", file=sys.stderr)
             return 2
         params = fit_request_path(
-            params, ttft, lambda c: sim_workload(workload, c, args.requests_per_conc),
-            lambda c: point_hit(workload, c, args.requests_per_conc, call, args.prefix_hit),
+            params, ttft, lambda c: sim_workload(workload, c, per_conc),
+            lambda c: point_hit(workload, c, per_conc, call, args.prefix_hit),
         )  # fmt: skip
         e = params.engine
         print(
@@ -274,22 +284,25 @@ def main(argv: list[str] | None = None) -> int:
             f"({ttft[min(ttft)]:.1f} / {ttft[max(ttft)]:.1f} ms): {e.request_latency_us / 1000:.1f} ms "
             f"+ {e.request_serial_us / 1000:.2f} ms per request\n"
         )
-    print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
-    print("|---|---|---|---|---|")
     errors: dict[bool, list[float]] = {False: [], True: []}  # by: is the point a server of its own
-    points = replay(
-        params, measured(args.csv), args.seeds, args.requests_per_conc,
-        exact=args.draws == "exact", call=call, prefix_hit=args.prefix_hit,
-    )  # fmt: skip
-    for policy, c, reps, sim in points:
-        real = float(np.mean(reps))
-        if sim is None:
-            print(f"| {policy} | {c} | {real:.0f} | - | not simulated |")
-            continue
-        errors[policy.split(" [")[0] in SERVER_SIMS].append(sim / real - 1.0)
-        print(
-            f"| {policy} | {c} | {real:.0f} ({min(reps):.0f}-{max(reps):.0f}) | {sim:.0f} | {100 * (sim / real - 1):+.1f}% |"
-        )
+    for call, paths in groups:
+        if len(groups) > 1:
+            print(f"\n{', '.join(p.name for p in paths)}\n")
+        print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
+        print("|---|---|---|---|---|")
+        points = replay(
+            params, measured(paths), args.seeds, args.requests_per_conc or int(call.requests_per_conc),
+            exact=args.draws == "exact", call=call, prefix_hit=args.prefix_hit,
+        )  # fmt: skip
+        for policy, c, reps, sim in points:
+            real = float(np.mean(reps))
+            if sim is None:
+                print(f"| {policy} | {c} | {real:.0f} | - | not simulated |")
+                continue
+            errors[policy.split(" [")[0] in SERVER_SIMS].append(sim / real - 1.0)
+            print(
+                f"| {policy} | {c} | {real:.0f} ({min(reps):.0f}-{max(reps):.0f}) | {sim:.0f} | {100 * (sim / real - 1):+.1f}% |"
+            )
     # The fit is of the hook server's step records: its policies are what it predicts; the
     # servers of their own (no step record of theirs in the fit) are a separate question.
     for own, what in ((False, "the hook server's policies"), (True, "the servers of their own (plain, SGLang's rule)")):
@@ -297,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             err = np.abs(np.array(errors[own]))
             worst = errors[own][int(np.argmax(err))]
             print(f"\n{len(err)} points of {what}: mean absolute error {100 * err.mean():.1f}%, worst {100 * worst:+.1f}%")
+    if errors[False] and errors[True]:
+        err = np.abs(np.array(errors[False] + errors[True]))
+        print(f"\nall {len(err)} points: mean absolute error {100 * err.mean():.1f}%")
     return 0
 
 
