@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         groups = [(call_args(ca), [path]) for ca, path in zip(args.call_args, args.csv)]
     else:
         groups = [(call_args(args.call_args[0] if args.call_args else None), list(args.csv))]
-    call = groups[0][0]
-    if args.ttft_points:
+    if args.ttft_points:  # with one group only (checked above)
+        call = groups[0][0]
         per_conc = args.requests_per_conc or int(call.requests_per_conc)
         from env.fit import fit_request_path
 
