@@ -39,6 +39,8 @@ feature                    meaning
 ``lat_stale_k`` (k ∈ D)    1 − exp(−steps since depth k was last observed / 200)
 ``goodput_k`` (k ∈ D)      log(tokens_k·(k+1) / latency ratio), expected tokens per second
                            relative to depth 0, clipped to ±2
+``p_last_i`` (i ≤ K)       version ≥ 6: ``p_accept_i`` as last measured, at the last step with
+                           depth > 0 (not aged while nothing is drafted; the prior if never)
 =========================  ==================================================================
 """
 
@@ -68,12 +70,16 @@ T = TypeVar("T")
 # traces, one request admitted: median 31 ms over a decode step there, 5 ms in the counting
 # record; bench/admission_latency_table.py), so the table takes a record only once the next
 # one is known: one record late.
-FEATURIZER_VERSION = 5
+# 6: the acceptance estimate as last measured (``p_last_i``, appended after ``goodput_k``) next to
+# the aged one (``p_accept_i``): aging returns the estimate to its prior within tens of steps at
+# depth 0, and the policy could not tell "a drafter measured bad 30 steps ago" from "one measured
+# good then"; with both it can weigh the old evidence against its age (``spec_staleness``).
+FEATURIZER_VERSION = 6
 # Versions whose policies this Featurizer still serves: a user's zip keeps working after an
 # upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2)
 # and in which steps the latency table takes (every step, versions 2-3; not an admitting one,
-# version 4; nor the one before it, version 5).
-SUPPORTED_VERSIONS = (2, 3, 4, 5)
+# version 4; nor the one before it, version 5); version 6 adds ``p_last_i`` at the end.
+SUPPORTED_VERSIONS = (2, 3, 4, 5, 6)
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
 N_BS_BUCKETS = 10
@@ -100,10 +106,11 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 # steps that admitted requests stay out of the latency table, _LAT_LAG: 1 when a record enters
 # it only with the next one (and not when that one admits); all three set by the version.
 # _PEND_*: the record waiting for its successor (version 5): its depth index (-1: none), the
-# start of its latency row, its step_us, its step index.
+# start of its latency row, its step_us, its step index. _P_LAST: 1 when the observation ends
+# with the acceptance as last measured (version 6).
 (_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE,
- _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T) = range(16)  # fmt: skip
-_HEAD = 16
+ _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T, _P_LAST) = range(17)  # fmt: skip
+_HEAD = 17
 _NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
 
 
@@ -176,6 +183,8 @@ class Featurizer:
         self.feature_names += [f"lat_ratio_{d}" for d in depths]
         self.feature_names += [f"lat_stale_{d}" for d in depths]
         self.feature_names += [f"goodput_{d}" for d in depths]
+        if self.version >= 6:
+            self.feature_names += [f"p_last_{i}" for i in range(1, k + 1)]
         self.obs_dim = len(self.feature_names)
         self._n = n
         self._off = _offsets(n, k)
@@ -192,6 +201,7 @@ class Featurizer:
         st[_TREND_FADE] = STALE_DECAY if self.version >= 3 else 1.0
         st[_LAT_DECODE_ONLY] = 1.0 if self.version >= 4 else 0.0
         st[_LAT_LAG] = 1.0 if self.version >= 5 else 0.0
+        st[_P_LAST] = 1.0 if self.version >= 6 else 0.0
         st[_PEND_DI] = -1.0
         st[ratio] = 1.0
         st[seen:] = _NEVER
@@ -225,6 +235,14 @@ class Featurizer:
     def accept_prob(self, position: int) -> float:
         """Recent conditional acceptance of draft position ``position`` (1-based, ≤ max depth)."""
         return float(self._estimates()[0][position - 1])
+
+    def accept_prob_measured(self, position: int) -> float:
+        """:meth:`accept_prob` as it read at the last speculative step (not aged since; the
+        prior if nothing was ever drafted): the observation's ``p_last_i`` (version ≥ 6)."""
+        k = self.max_depth
+        p, cum = np.empty(k, dtype=np.float64), np.empty(k + 1, dtype=np.float64)
+        _acceptance(self._state, k, self._state[_LAST_SPEC], p, cum)
+        return float(p[position - 1])
 
     def expected_tokens(self, depth: int) -> float:
         """Expected tokens one request emits in a step at ``depth``: 1 + Σ_i Π_{j≤i} p_j."""
@@ -335,7 +353,8 @@ def _acceptance(st: np.ndarray, k: int, t: float, p: np.ndarray, cum: np.ndarray
     draft position i (1..k), ``cum[d]`` the expected tokens per request at depth d (0..k),
     1 + Σ_{i≤d} Π_{j≤i} p_j. The evidence ages toward the prior while nothing is drafted.
 
-    ``p`` may be the observation's float32 slice: the running product keeps float64.
+    ``p`` may be the observation's float32 slice: the running product keeps float64. At
+    ``t = st[_LAST_SPEC]`` (age 0) they are the estimates as last measured, unaged.
     """
     o_acc = _HEAD
     o_tried = o_acc + k + 1
@@ -480,7 +499,8 @@ def _fold(
         st[_BS_FAST] += FAST * (bs_f - st[_BS_FAST])
         st[_BS_SLOW] += SLOW * (bs_f - st[_BS_SLOW])
 
-    out = np.zeros(10 + 2 * n + k + 3 * n, dtype=np.float32)
+    n_last = k if st[_P_LAST] != 0.0 else 0
+    out = np.zeros(10 + 2 * n + k + 3 * n + n_last, dtype=np.float32)
     out[0] = bs_f
     out[1] = math.log1p(waiting) * _INV_LOG_257
     out[2] = waiting / (bs + waiting)
@@ -514,4 +534,9 @@ def _fold(
             out[o + i] = _clip2(math.log(r))
             out[o + 2 * n + i] = _clip2(math.log(cum[depths[i]] / base_tok / r))
         out[o + n + i] = 1.0 - math.exp((st[o_seen + i] - t) * 0.005)
+    o += 3 * n
+
+    # Version 6: the acceptance as last measured (the same estimate, at age 0).
+    if n_last > 0:
+        _acceptance(st, k, st[_LAST_SPEC], out[o : o + k], cum)
     return out
