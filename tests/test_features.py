@@ -399,35 +399,38 @@ def test_version_5_takes_each_decode_record_one_record_late() -> None:
                 assert v5.latency_ratio(d, bs) == v4.latency_ratio(d, bs)
 
 
-def test_version_6_adds_the_acceptance_as_last_measured() -> None:
-    """Version 6 appends ``p_last_i``: ``p_accept_i`` as it read at the last speculative step,
-    not aged while nothing is drafted (the prior if never). The first entries are version 5's,
-    bit for bit."""
+def test_version_6_adds_the_folded_estimate() -> None:
+    """Version 6 appends ``p_fold_i``: the acceptance estimate whose counts keep the aging once
+    drafting resumes. Without a stretch at depth 0 it is ``p_accept_i``; at depth 0 both age
+    alike; at the first speculative step after the stretch ``p_accept_i`` restores the bad
+    phase's evidence at full weight and ``p_fold_i`` weighs it aged. The first entries are
+    version 5's, bit for bit."""
     v5, v6 = Featurizer(DEPTHS, version=5), Featurizer(DEPTHS)
     assert v6.version == FEATURIZER_VERSION == 6
     idx = names(v6)
     k = max(DEPTHS)
     assert v6.feature_names[: v5.obs_dim] == v5.feature_names
-    assert v6.feature_names[v5.obs_dim :] == [f"p_last_{i}" for i in range(1, k + 1)]
+    assert v6.feature_names[v5.obs_dim :] == [f"p_fold_{i}" for i in range(1, k + 1)]
     v5.update(step(0, 0, [], bs=8))
     obs = v6.update(step(0, 0, [], bs=8))
     assert np.allclose(obs[v5.obs_dim :], PRIOR_ACCEPT)  # never drafted: the prior
-    records = [step(s, 3, [0] * 8, bs=8) for s in range(1, 31)] + [step(s, 0, [], bs=8) for s in range(31, 231)]
-    for rec in records:
+    bad = [step(s, 3, [0] * 8, bs=8) for s in range(1, 31)]
+    idle = [step(s, 0, [], bs=8) for s in range(31, 81)]
+    for rec in bad + idle:
         a, b = v5.update(rec), v6.update(rec)
         assert np.array_equal(a, b[: v5.obs_dim])
-        if rec.depth:
-            measured = [v6.accept_prob(i) for i in range(1, k + 1)]
-    # 200 steps later the aged estimate is back near the prior; the measured one is where it was.
-    assert v6.accept_prob(1) > PRIOR_ACCEPT - 0.05
-    for i in range(1, k + 1):
-        assert v6.accept_prob_measured(i) == measured[i - 1]
-        assert b[idx[f"p_last_{i}"]] == np.float32(measured[i - 1])
-    assert b[idx["p_last_1"]] < 0.05
-    # While drafting the two are the same estimate.
-    b = v6.update(step(231, 2, [2] * 8, bs=8))
-    for i in range(1, k + 1):
-        assert b[idx[f"p_last_{i}"]] == b[idx[f"p_accept_{i}"]]
+        for i in range(1, k + 1):
+            assert b[idx[f"p_fold_{i}"]] == b[idx[f"p_accept_{i}"]]
+    acc, tried = v6._acc[1], v6._tried[1]
+    b = v6.update(step(81, 1, [1] * 8, bs=8))  # a probe: the drafter turned good
+    w = STALE_DECAY**50  # the 50 steps without drafting before it
+    prior = PRIOR_ACCEPT * PRIOR_WEIGHT
+    fold = (w * ACCEPT_DECAY * acc + 8 + prior) / (w * ACCEPT_DECAY * tried + 8 + PRIOR_WEIGHT)
+    assert v6.accept_prob_folded(1) == pytest.approx(fold)
+    assert b[idx["p_fold_1"]] == pytest.approx(fold, rel=1e-6)
+    assert v6.accept_prob(1) == pytest.approx((ACCEPT_DECAY * acc + 8 + prior) / (ACCEPT_DECAY * tried + 8 + PRIOR_WEIGHT))
+    assert b[idx["p_accept_1"]] + 0.2 < b[idx["p_fold_1"]]  # the probe weighs against aged evidence
+    assert Featurizer(DEPTHS, version=5).accept_prob_folded(1) == PRIOR_ACCEPT  # no such counts
 
 
 @pytest.mark.parametrize("depths", [(0,), (3,), (1, 2), tuple(range(16))])
