@@ -428,7 +428,9 @@ def test_version_6_adds_the_folded_estimate() -> None:
     fold = (w * ACCEPT_DECAY * acc + 8 + prior) / (w * ACCEPT_DECAY * tried + 8 + PRIOR_WEIGHT)
     assert v6.accept_prob_folded(1) == pytest.approx(fold)
     assert b[idx["p_fold_1"]] == pytest.approx(fold, rel=1e-6)
-    assert v6.accept_prob(1) == pytest.approx((ACCEPT_DECAY * acc + 8 + prior) / (ACCEPT_DECAY * tried + 8 + PRIOR_WEIGHT))
+    assert v6.accept_prob(1) == pytest.approx(
+        (ACCEPT_DECAY * acc + 8 + prior) / (ACCEPT_DECAY * tried + 8 + PRIOR_WEIGHT)
+    )
     assert b[idx["p_accept_1"]] + 0.2 < b[idx["p_fold_1"]]  # the probe weighs against aged evidence
     assert Featurizer(DEPTHS, version=5).accept_prob_folded(1) == PRIOR_ACCEPT  # no such counts
 
