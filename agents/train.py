@@ -45,7 +45,7 @@ import gymnasium as gym
 import numpy as np
 
 from controller.errors import ConfigError
-from controller.features import SPEC_STALENESS_STEPS
+from controller.features import SPEC_STALENESS_STEPS, tokens_from_accept
 from controller.protocol import DEFAULT_DEPTHS
 
 
@@ -788,15 +788,13 @@ class ProbeRule:
         features clip theirs."""
         if self.fold_idx < 0:
             return rel
-        nd = len(self.depths)
+        from controller.ppo_policy import model_goodput
+
+        nd, k = len(self.depths), self.depths[-1]
         lat = obs[len(obs) - 2 * nd : len(obs) - nd].astype(np.float64)
-        g = np.empty(nd)
-        for j, d in enumerate(self.depths):
-            tok, run = 1.0, 1.0
-            for i in range(d):
-                run *= float(obs[self.fold_idx + i])
-                tok += run
-            g[j] = min(max(math.log(tok) - lat[j], -2.0), 2.0)
+        cum = np.empty(k + 1)
+        tokens_from_accept(obs[self.fold_idx : self.fold_idx + k].astype(np.float64), cum)
+        g = np.array([model_goodput(cum[d], lat[j]) for j, d in enumerate(self.depths)])
         return np.exp(g - g.max())
 
     def threshold(self, rel: np.ndarray) -> float:

@@ -367,16 +367,28 @@ def _acceptance(st: np.ndarray, k: int, t: float, p: np.ndarray, cum: np.ndarray
     pw = PRIOR_ACCEPT * PRIOR_WEIGHT
     age = t - st[_LAST_SPEC]
     s = STALE_DECAY**age if age > 0 else 1.0
-    cum[0] = 1.0
-    run = 1.0
+    p64 = np.empty(k, dtype=np.float64)
     for i in range(1, k + 1):
         if age > 0:
             pi = (s * st[o_acc + i] + pw) / (s * st[o_tried + i] + PRIOR_WEIGHT)
         else:
             pi = (st[o_acc + i] + pw) / (st[o_tried + i] + PRIOR_WEIGHT)
         p[i - 1] = pi
-        run *= pi
-        cum[i] = cum[i - 1] + run
+        p64[i - 1] = pi
+    tokens_from_accept(p64, cum)
+
+
+@maybe_njit
+def tokens_from_accept(p: np.ndarray, cum: np.ndarray) -> None:
+    """Expected tokens one request emits per step, ``cum[d]`` = 1 + Σ_{i≤d} Π_{j≤i} p_j for
+    d = 0..len(p), from the conditional acceptance ``p`` of each draft position: the one
+    formula of ``tokens_k`` (the observation) and of the expert's folded goodput
+    (``agents.train.ProbeRule``)."""
+    cum[0] = 1.0
+    run = 1.0
+    for i in range(len(p)):
+        run *= p[i]
+        cum[i + 1] = cum[i] + run
 
 
 @maybe_njit
