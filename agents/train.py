@@ -45,7 +45,7 @@ import gymnasium as gym
 import numpy as np
 
 from controller.errors import ConfigError
-from controller.features import SPEC_STALENESS_STEPS, tokens_from_accept
+from controller.features import SPEC_STALENESS_STEPS
 from controller.protocol import DEFAULT_DEPTHS
 
 
@@ -100,10 +100,6 @@ class TrainConfig:
             ``bc_probe_keep`` of depth 0's goodput.
         bc_probe_depth: the depth a probe drafts at.
         bc_probe_keep: goodput ratio (to depth 0) above which a rising probe continues.
-        bc_probe_folded: judge that goodput on the folded acceptance estimate (``p_fold_i``,
-            Featurizer version ≥ 6: the evidence aged at depth 0 stays aged), so a probe into a
-            drafter that turned good is not judged on the bad phase's evidence restored at
-            full weight; False = on ``p_accept_i`` (the goodput features), as before.
         bc_probe_cost_steps: postpone the probe by this many steps × the share of depth 0's
             goodput a probe step gives up (the model's estimate; :meth:`ProbeRule.threshold`):
             400, so a probe where drafting costs little (small batches) comes early and one where
@@ -159,7 +155,6 @@ class TrainConfig:
     bc_probe_depth: int = 2
     bc_probe_keep: float = 0.85
     bc_probe_cost_steps: float = 400.0
-    bc_probe_folded: bool = True
     objective: str = "throughput"
     slo_credit: str = "step"
     bc_slo_labels: str = "step"
@@ -754,10 +749,6 @@ class ProbeRule:
     staleness: float
     keep: float
     cost_steps: float = 0.0
-    # Where the continuation reads the folded estimate (bc_probe_folded): the index of
-    # p_fold_1 (p_fold_1..p_fold_K follow it) and the allowed depths; -1 = not at all.
-    fold_idx: int = -1
-    depths: tuple[int, ...] = ()
 
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> ProbeRule | None:
@@ -768,7 +759,6 @@ class ProbeRule:
         if cfg.bc_probe_depth not in cfg.depths[1:]:
             raise ConfigError(f"bc_probe_depth {cfg.bc_probe_depth} is not a drafting depth of {list(cfg.depths)}")
         names = Featurizer(cfg.depths).feature_names
-        fold = names.index("p_fold_1") if cfg.bc_probe_folded and "p_fold_1" in names else -1
         return cls(
             names.index("spec_staleness"),
             names.index("accept_trend"),
@@ -777,25 +767,7 @@ class ProbeRule:
             cfg.bc_probe_staleness,
             cfg.bc_probe_keep,
             cfg.bc_probe_cost_steps,
-            fold,
-            tuple(cfg.depths),
         )
-
-    def continuation_rel(self, obs: np.ndarray, rel: np.ndarray) -> np.ndarray:
-        """The relative goodput a running probe is judged on: ``rel``, or with ``fold_idx``
-        the model's goodput (its latency features, the last 2·|D| entries) on the folded
-        estimate: log(1 + Σ_{i≤k} Π_{j≤i} p_fold_j) − model log(T_k/T_0), ±2 as the model
-        features clip theirs."""
-        if self.fold_idx < 0:
-            return rel
-        from controller.ppo_policy import model_goodput
-
-        nd, k = len(self.depths), self.depths[-1]
-        lat = obs[len(obs) - 2 * nd : len(obs) - nd].astype(np.float64)
-        cum = np.empty(k + 1)
-        tokens_from_accept(obs[self.fold_idx : self.fold_idx + k].astype(np.float64), cum)
-        g = np.array([model_goodput(cum[d], lat[j]) for j, d in enumerate(self.depths)])
-        return np.exp(g - g.max())
 
     def threshold(self, rel: np.ndarray) -> float:
         """The staleness at which the expert probes: ``staleness``, postponed by
@@ -813,10 +785,7 @@ class ProbeRule:
             return False
         if obs[self.stale_idx] >= self.threshold(rel):
             return True
-        if not (obs[self.onehot_idx] > 0.5 and obs[self.trend_idx] > 0):
-            return False
-        cont = self.continuation_rel(obs, rel)
-        return bool(cont[self.action] >= self.keep * cont[0])
+        return bool(obs[self.onehot_idx] > 0.5 and obs[self.trend_idx] > 0 and rel[self.action] >= self.keep * rel[0])
 
     def labels(self, obs: np.ndarray, rel: np.ndarray) -> np.ndarray:
         """``rel`` with the probe depth made the clear best where the expert probes."""

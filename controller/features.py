@@ -39,10 +39,6 @@ feature                    meaning
 ``lat_stale_k`` (k ∈ D)    1 − exp(−steps since depth k was last observed / 200)
 ``goodput_k`` (k ∈ D)      log(tokens_k·(k+1) / latency ratio), expected tokens per second
                            relative to depth 0, clipped to ±2
-``p_fold_i`` (i ≤ K)       version ≥ 6: ``p_accept_i`` with the aging kept once drafting
-                           resumes: the evidence aged while nothing was drafted stays aged, so
-                           a probe's fresh batch weighs against it (``p_accept_i`` restores
-                           the old evidence at full weight at the first speculative step)
 =========================  ==================================================================
 """
 
@@ -72,18 +68,12 @@ T = TypeVar("T")
 # traces, one request admitted: median 31 ms over a decode step there, 5 ms in the counting
 # record; bench/admission_latency_table.py), so the table takes a record only once the next
 # one is known: one record late.
-# 6: a second acceptance estimate, ``p_fold_i`` (appended after ``goodput_k``), whose counts keep
-# the aging once drafting resumes. ``p_accept_i`` ages only in the view: the first speculative
-# record after a stretch at depth 0 restores the old counts at full weight, so a probe into a
-# drafter that turned good barely moves it (the evidence of the bad phase, resurrected). Both in
-# the observation: the policy weighs the restored evidence against the aged one.
-FEATURIZER_VERSION = 6
+FEATURIZER_VERSION = 5
 # Versions whose policies this Featurizer still serves: a user's zip keeps working after an
 # upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2)
 # and in which steps the latency table takes (every step, versions 2-3; not an admitting one,
-# version 4; nor the one before it, version 5);
-SUPPORTED_VERSIONS = (2, 3, 4, 5, 6)
-# version 6 adds ``p_fold_i`` at the end.
+# version 4; nor the one before it, version 5).
+SUPPORTED_VERSIONS = (2, 3, 4, 5)
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
 N_BS_BUCKETS = 10
@@ -110,11 +100,10 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 # steps that admitted requests stay out of the latency table, _LAT_LAG: 1 when a record enters
 # it only with the next one (and not when that one admits); all three set by the version.
 # _PEND_*: the record waiting for its successor (version 5): its depth index (-1: none), the
-# start of its latency row, its step_us, its step index. _FOLD: 1 when the observation ends with
-# the estimate whose counts keep the aging (version 6).
+# start of its latency row, its step_us, its step index.
 (_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE,
- _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T, _FOLD) = range(17)  # fmt: skip
-_HEAD = 17
+ _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T) = range(16)  # fmt: skip
+_HEAD = 16
 _NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
 
 
@@ -123,17 +112,15 @@ def bs_bucket(bs: int) -> int:
     return min(max(bs, 1).bit_length() - 1, N_BS_BUCKETS - 1)
 
 
-def _offsets(n: int, k: int) -> tuple[int, int, int, int, int, int, int]:
+def _offsets(n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """Start of ``acc``, ``tried`` (k + 1 each), ``lat`` (N_BS_BUCKETS × n), ``ratio``,
-    ``last_seen`` (n each), the folded ``acc`` then ``tried`` (k + 1 each, version 6) in the
-    state array, and its length."""
+    ``last_seen`` (n each) in the state array, and its length."""
     acc = _HEAD
     tried = acc + k + 1
     lat = tried + k + 1
     ratio = lat + N_BS_BUCKETS * n
     seen = ratio + n
-    fold = seen + n
-    return acc, tried, lat, ratio, seen, fold, fold + 2 * (k + 1)
+    return acc, tried, lat, ratio, seen, seen + n
 
 
 class Featurizer:
@@ -189,8 +176,6 @@ class Featurizer:
         self.feature_names += [f"lat_ratio_{d}" for d in depths]
         self.feature_names += [f"lat_stale_{d}" for d in depths]
         self.feature_names += [f"goodput_{d}" for d in depths]
-        if self.version >= 6:
-            self.feature_names += [f"p_fold_{i}" for i in range(1, k + 1)]
         self.obs_dim = len(self.feature_names)
         self._n = n
         self._off = _offsets(n, k)
@@ -198,7 +183,7 @@ class Featurizer:
 
     def reset(self) -> None:
         """Forget everything: a new instance, or a new episode."""
-        acc, _, lat, ratio, seen, fold, size = self._off
+        acc, _, lat, ratio, seen, size = self._off
         st = np.zeros(size, dtype=np.float64)
         # acc/tried: decayed counts of requests that accepted/reached position i; lat: EMA of
         # step_us per (bs bucket, depth), 0 = unknown; ratio: EMA of latency / smallest-depth
@@ -207,10 +192,9 @@ class Featurizer:
         st[_TREND_FADE] = STALE_DECAY if self.version >= 3 else 1.0
         st[_LAT_DECODE_ONLY] = 1.0 if self.version >= 4 else 0.0
         st[_LAT_LAG] = 1.0 if self.version >= 5 else 0.0
-        st[_FOLD] = 1.0 if self.version >= 6 else 0.0
         st[_PEND_DI] = -1.0
         st[ratio] = 1.0
-        st[seen:fold] = _NEVER
+        st[seen:] = _NEVER
         self._state = st
 
     # ------------------------------------------------------------------ estimates
@@ -235,20 +219,12 @@ class Featurizer:
     def _estimates(self) -> tuple[np.ndarray, np.ndarray]:
         k = self.max_depth
         p, cum = np.empty(k, dtype=np.float64), np.empty(k + 1, dtype=np.float64)
-        _acceptance(self._state, k, self._state[_T], p, cum, _HEAD)
+        _acceptance(self._state, k, self._state[_T], p, cum)
         return p, cum
 
     def accept_prob(self, position: int) -> float:
         """Recent conditional acceptance of draft position ``position`` (1-based, ≤ max depth)."""
         return float(self._estimates()[0][position - 1])
-
-    def accept_prob_folded(self, position: int) -> float:
-        """:meth:`accept_prob` with the aging kept once drafting resumed: the observation's
-        ``p_fold_i`` (version ≥ 6; the prior in earlier versions, which keep no such counts)."""
-        k = self.max_depth
-        p, cum = np.empty(k, dtype=np.float64), np.empty(k + 1, dtype=np.float64)
-        _acceptance(self._state, k, self._state[_T], p, cum, self._off[5])
-        return float(p[position - 1])
 
     def expected_tokens(self, depth: int) -> float:
         """Expected tokens one request emits in a step at ``depth``: 1 + Σ_i Π_{j≤i} p_j."""
@@ -354,41 +330,28 @@ def warm_up(kernel: Callable[..., Any] | None = None, depths: Sequence[int] = (0
 
 
 @maybe_njit
-def _acceptance(st: np.ndarray, k: int, t: float, p: np.ndarray, cum: np.ndarray, o_acc: int) -> None:
+def _acceptance(st: np.ndarray, k: int, t: float, p: np.ndarray, cum: np.ndarray) -> None:
     """The acceptance estimates at step ``t``: ``p[i - 1]`` the recent conditional acceptance of
     draft position i (1..k), ``cum[d]`` the expected tokens per request at depth d (0..k),
-    1 + Σ_{i≤d} Π_{j≤i} p_j, from the counts at ``o_acc`` (accepted, then reached, k + 1
-    each: ``_HEAD`` for ``p_accept_i``, the folded ones for ``p_fold_i``). The evidence ages
-    toward the prior while nothing is drafted.
+    1 + Σ_{i≤d} Π_{j≤i} p_j. The evidence ages toward the prior while nothing is drafted.
 
     ``p`` may be the observation's float32 slice: the running product keeps float64.
     """
+    o_acc = _HEAD
     o_tried = o_acc + k + 1
     pw = PRIOR_ACCEPT * PRIOR_WEIGHT
     age = t - st[_LAST_SPEC]
     s = STALE_DECAY**age if age > 0 else 1.0
-    p64 = np.empty(k, dtype=np.float64)
+    cum[0] = 1.0
+    run = 1.0
     for i in range(1, k + 1):
         if age > 0:
             pi = (s * st[o_acc + i] + pw) / (s * st[o_tried + i] + PRIOR_WEIGHT)
         else:
             pi = (st[o_acc + i] + pw) / (st[o_tried + i] + PRIOR_WEIGHT)
         p[i - 1] = pi
-        p64[i - 1] = pi
-    tokens_from_accept(p64, cum)
-
-
-@maybe_njit
-def tokens_from_accept(p: np.ndarray, cum: np.ndarray) -> None:
-    """Expected tokens one request emits per step, ``cum[d]`` = 1 + Σ_{i≤d} Π_{j≤i} p_j for
-    d = 0..len(p), from the conditional acceptance ``p`` of each draft position: the one
-    formula of ``tokens_k`` (the observation) and of the expert's folded goodput
-    (``agents.train.ProbeRule``)."""
-    cum[0] = 1.0
-    run = 1.0
-    for i in range(len(p)):
-        run *= p[i]
-        cum[i + 1] = cum[i] + run
+        run *= pi
+        cum[i] = cum[i - 1] + run
 
 
 @maybe_njit
@@ -445,7 +408,6 @@ def _fold(
     o_lat = o_tried + k + 1
     o_ratio = o_lat + N_BS_BUCKETS * n
     o_seen = o_ratio + n
-    o_fold = o_seen + n
     t = st[_T] + 1.0
     st[_T] = t
     di = -1
@@ -469,14 +431,6 @@ def _fold(
         for i in range(1, k + 1):
             st[o_acc + i] *= ACCEPT_DECAY
             st[o_tried + i] *= ACCEPT_DECAY
-        if st[_FOLD] != 0.0:
-            # Version 6: the same counts, aged as the view aged them over the steps without
-            # drafting since the last speculative one (t - 1 - last of them), then decayed.
-            gap = t - 1.0 - st[_LAST_SPEC]
-            keep = ACCEPT_DECAY * STALE_DECAY**gap if gap > 0 else ACCEPT_DECAY
-            for i in range(1, k + 1):
-                st[o_fold + i] *= keep
-                st[o_fold + k + 1 + i] *= keep
         count = np.zeros(depth + 1, dtype=np.int64)
         total = 0
         for a in accept:
@@ -486,12 +440,8 @@ def _fold(
         n_ge = bs  # requests with accept >= i-1, starting at i = 1
         for i in range(1, depth + 1):
             st[o_tried + i] += n_ge
-            if st[_FOLD] != 0.0:
-                st[o_fold + k + 1 + i] += n_ge
             n_ge -= count[i - 1]
             st[o_acc + i] += n_ge
-            if st[_FOLD] != 0.0:
-                st[o_fold + i] += n_ge
         mean_frac = total / (bs * depth)
         st[_ACC_FAST] += FAST * (mean_frac - st[_ACC_FAST])
         st[_ACC_SLOW] += SLOW * (mean_frac - st[_ACC_SLOW])
@@ -530,8 +480,7 @@ def _fold(
         st[_BS_FAST] += FAST * (bs_f - st[_BS_FAST])
         st[_BS_SLOW] += SLOW * (bs_f - st[_BS_SLOW])
 
-    n_fold = k if st[_FOLD] != 0.0 else 0
-    out = np.zeros(10 + 2 * n + k + 3 * n + n_fold, dtype=np.float32)
+    out = np.zeros(10 + 2 * n + k + 3 * n, dtype=np.float32)
     out[0] = bs_f
     out[1] = math.log1p(waiting) * _INV_LOG_257
     out[2] = waiting / (bs + waiting)
@@ -551,7 +500,7 @@ def _fold(
     # Acceptance per position (evidence ages while nothing is drafted), expected tokens.
     o = 10 + n
     cum = np.empty(k + 1, dtype=np.float64)
-    _acceptance(st, k, t, out[o : o + k], cum, o_acc)
+    _acceptance(st, k, t, out[o : o + k], cum)
     o += k
     for i in range(n):
         out[o + i] = cum[depths[i]] / (depths[i] + 1)
@@ -565,9 +514,4 @@ def _fold(
             out[o + i] = _clip2(math.log(r))
             out[o + 2 * n + i] = _clip2(math.log(cum[depths[i]] / base_tok / r))
         out[o + n + i] = 1.0 - math.exp((st[o_seen + i] - t) * 0.005)
-    o += 3 * n
-
-    # Version 6: the same estimate from the counts that keep the aging.
-    if n_fold > 0:
-        _acceptance(st, k, t, out[o : o + k], cum, o_fold)
     return out

@@ -213,19 +213,11 @@ def model_features(obs: np.ndarray, table: np.ndarray, inputs: np.ndarray) -> np
             + table[k, ib, ic + 1] * (1.0 - fb) * fc
             + table[k, ib + 1, ic + 1] * fb * fc
         )
+        tok = max(float(obs[inputs[2 + k]]) * inputs[2 + nd + k], 1e-6)
+        g = math.log(tok) - lat
         out[o + k] = min(max(lat, -2.0), 2.0)
-        out[o + nd + k] = model_goodput(float(obs[inputs[2 + k]]) * inputs[2 + nd + k], lat)
+        out[o + nd + k] = min(max(g, -2.0), 2.0)
     return out
-
-
-@maybe_njit_reassoc
-def model_goodput(tokens: float, lat: float) -> float:
-    """Expected goodput at a depth relative to depth 0, log(tokens / time ratio) clipped to
-    ±2, from the expected tokens per request-step and the log time ratio ``lat``: the one
-    formula of the model features (:func:`model_features`) and of the expert's folded goodput
-    (``agents.train.ProbeRule``)."""
-    g = math.log(max(tokens, 1e-6)) - lat
-    return min(max(g, -2.0), 2.0)
 
 
 def meta_for(

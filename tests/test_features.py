@@ -74,8 +74,7 @@ def test_fixed_size_dtype_and_finite() -> None:
     f = Featurizer(DEPTHS)
     assert f.version == FEATURIZER_VERSION
     assert len(f.feature_names) == f.obs_dim == len(set(f.feature_names))
-    assert f.obs_dim == 10 + 2 * len(DEPTHS) + max(DEPTHS) + 3 * len(DEPTHS) + max(DEPTHS)
-    assert Featurizer(DEPTHS, version=5).obs_dim == f.obs_dim - max(DEPTHS)
+    assert f.obs_dim == 10 + 2 * len(DEPTHS) + max(DEPTHS) + 3 * len(DEPTHS)
     for s in random_stream(2000):
         obs = f.update(s)
         assert obs.shape == (f.obs_dim,) and obs.dtype == np.float32
@@ -358,7 +357,8 @@ def test_the_step_before_an_admitting_one_stays_out_of_the_latency_table() -> No
     step there, ~4 ms in the counting record). A record enters the table once the next one is
     known, and not if that one admits: the depth-0 step before an admission does not make
     depth 0 read slow; version 4 took it."""
-    v4, v5 = Featurizer(DEPTHS, version=4), Featurizer(DEPTHS, version=5)
+    v4, v5 = Featurizer(DEPTHS, version=4), Featurizer(DEPTHS)
+    assert v5.version == FEATURIZER_VERSION == 5
     idx = names(v5)
     records = [step(s, 0, [], bs=64, step_us=8_500) for s in range(1, 5)]
     records += [step(s, 3, [1] * 64, step_us=23_000) for s in range(5, 10)]
@@ -389,7 +389,7 @@ def test_version_5_takes_each_decode_record_one_record_late() -> None:
     assert obs[names(v5)["lat_stale_2"]] == pytest.approx(1 - math.exp(-1 / 200), rel=1e-5)
     # Replayed one record behind, version 4 gives the same table: no admissions, no difference.
     stream = random_stream(400, seed=8)
-    v4, v5 = Featurizer(DEPTHS, version=4), Featurizer(DEPTHS, version=5)
+    v4, v5 = Featurizer(DEPTHS, version=4), Featurizer(DEPTHS)
     for prev, cur in zip(stream, stream[1:]):
         v4.update(prev)
         v5.update(cur)
@@ -397,42 +397,6 @@ def test_version_5_takes_each_decode_record_one_record_late() -> None:
             for bs in (1, 8, 64, 300):
                 assert v5.latency_us(d, bs) == v4.latency_us(d, bs)
                 assert v5.latency_ratio(d, bs) == v4.latency_ratio(d, bs)
-
-
-def test_version_6_adds_the_folded_estimate() -> None:
-    """Version 6 appends ``p_fold_i``: the acceptance estimate whose counts keep the aging once
-    drafting resumes. Without a stretch at depth 0 it is ``p_accept_i``; at depth 0 both age
-    alike; at the first speculative step after the stretch ``p_accept_i`` restores the bad
-    phase's evidence at full weight and ``p_fold_i`` weighs it aged. The first entries are
-    version 5's, bit for bit."""
-    v5, v6 = Featurizer(DEPTHS, version=5), Featurizer(DEPTHS)
-    assert v6.version == FEATURIZER_VERSION == 6
-    idx = names(v6)
-    k = max(DEPTHS)
-    assert v6.feature_names[: v5.obs_dim] == v5.feature_names
-    assert v6.feature_names[v5.obs_dim :] == [f"p_fold_{i}" for i in range(1, k + 1)]
-    v5.update(step(0, 0, [], bs=8))
-    obs = v6.update(step(0, 0, [], bs=8))
-    assert np.allclose(obs[v5.obs_dim :], PRIOR_ACCEPT)  # never drafted: the prior
-    bad = [step(s, 3, [0] * 8, bs=8) for s in range(1, 31)]
-    idle = [step(s, 0, [], bs=8) for s in range(31, 81)]
-    for rec in bad + idle:
-        a, b = v5.update(rec), v6.update(rec)
-        assert np.array_equal(a, b[: v5.obs_dim])
-        for i in range(1, k + 1):
-            assert b[idx[f"p_fold_{i}"]] == b[idx[f"p_accept_{i}"]]
-    acc, tried = v6._acc[1], v6._tried[1]
-    b = v6.update(step(81, 1, [1] * 8, bs=8))  # a probe: the drafter turned good
-    w = STALE_DECAY**50  # the 50 steps without drafting before it
-    prior = PRIOR_ACCEPT * PRIOR_WEIGHT
-    fold = (w * ACCEPT_DECAY * acc + 8 + prior) / (w * ACCEPT_DECAY * tried + 8 + PRIOR_WEIGHT)
-    assert v6.accept_prob_folded(1) == pytest.approx(fold)
-    assert b[idx["p_fold_1"]] == pytest.approx(fold, rel=1e-6)
-    assert v6.accept_prob(1) == pytest.approx(
-        (ACCEPT_DECAY * acc + 8 + prior) / (ACCEPT_DECAY * tried + 8 + PRIOR_WEIGHT)
-    )
-    assert b[idx["p_accept_1"]] + 0.2 < b[idx["p_fold_1"]]  # the probe weighs against aged evidence
-    assert Featurizer(DEPTHS, version=5).accept_prob_folded(1) == PRIOR_ACCEPT  # no such counts
 
 
 @pytest.mark.parametrize("depths", [(0,), (3,), (1, 2), tuple(range(16))])

@@ -247,12 +247,9 @@ def test_the_realistic_experts_probe_drafts_after_a_stretch_at_depth_0_and_ends_
     from agents.train import ProbeRule
     from controller.features import Featurizer
 
-    cfg = replace(
-        TINY, bc_probe_staleness=0.9, bc_probe_cost_steps=0.0, bc_probe_depth=2, bc_probe_keep=0.85,
-        bc_probe_folded=False,
-    )
+    cfg = replace(TINY, bc_probe_staleness=0.9, bc_probe_cost_steps=0.0, bc_probe_depth=2, bc_probe_keep=0.85)
     rule = ProbeRule.for_config(cfg)
-    assert rule is not None and rule.action == cfg.depths.index(2) and rule.fold_idx == -1
+    assert rule is not None and rule.action == cfg.depths.index(2)
     names = Featurizer(cfg.depths).feature_names
     obs = np.zeros(len(names) + 2 * len(cfg.depths), dtype=np.float32)
     at_zero = np.array([1.0, 0.7, 0.9, 0.8, 0.6])  # depth 0 is the model's best
@@ -274,36 +271,6 @@ def test_the_realistic_experts_probe_drafts_after_a_stretch_at_depth_0_and_ends_
     assert ProbeRule.for_config(replace(cfg, bc_probe_staleness=0.0)) is None
     with pytest.raises(ConfigError, match="bc_probe_depth 4"):
         ProbeRule.for_config(replace(cfg, bc_probe_depth=4))
-
-
-def test_the_probe_continues_on_the_folded_estimate():
-    """``bc_probe_folded`` (the default): a running probe is judged on the model's goodput
-    from ``p_fold_i`` (the aged evidence stays aged), not on the goodput features, whose
-    estimate restored the bad phase's evidence at the first probe step."""
-    from agents.train import ProbeRule
-    from controller.features import Featurizer
-
-    cfg = replace(TINY, bc_probe_staleness=0.9, bc_probe_cost_steps=0.0, bc_probe_depth=2, bc_probe_keep=0.85)
-    rule = ProbeRule.for_config(cfg)
-    assert rule is not None
-    names = Featurizer(cfg.depths).feature_names
-    assert rule.fold_idx == names.index("p_fold_1")
-    nd = len(cfg.depths)
-    obs = np.zeros(len(names) + 2 * nd, dtype=np.float32)
-    obs[names.index("depth=2")] = 1.0
-    obs[names.index("accept_trend")] = 0.05
-    obs[len(names) : len(names) + nd] = np.log([1.0, 1.2, 1.4, 1.6, 2.0])  # the model's T_k / T_0
-    restored = np.array([1.0, 0.7, 0.6, 0.55, 0.45])  # the goodput features: depth 2 far below
-    for i in range(max(cfg.depths)):
-        obs[rule.fold_idx + i] = 0.9  # the folded estimate: a good drafter
-    assert rule.probes(obs, restored)  # depth 2: (1 + 0.9 + 0.81) / 1.4 = 1.94x depth 0
-    cont = rule.continuation_rel(obs, restored)
-    assert cont[rule.action] / cont[0] == pytest.approx((1 + 0.9 + 0.81) / 1.4, rel=1e-5)
-    for i in range(max(cfg.depths)):
-        obs[rule.fold_idx + i] = 0.05  # a bad one: 1.05 / 1.4 < 0.85, the probe ends
-    assert not rule.probes(obs, restored)
-    plain = ProbeRule.for_config(replace(cfg, bc_probe_folded=False))
-    assert plain is not None and not plain.probes(obs, restored) and plain.fold_idx == -1
 
 
 def test_a_costlier_probe_waits_longer_at_depth_0():
