@@ -49,6 +49,9 @@ from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
 HOLDOUT_FRAC = 0.2
+CTX_SPREAD = 1.5
+"""How far the drafted steps' cached tokens per sequence must spread (90th over 10th percentile)
+for :func:`fit_step_latency` to fit ``verify_ctx_us_per_tok``."""
 # Groups of pass terms that traces can scale independently (each a physical cost class).
 _GROUPS = {
     "fixed": ("t_fix_us", "w_us", "dec_fix_us", "split_fix_us", "mq_fix_us"),  # per pass: launches, weight reads
@@ -214,12 +217,20 @@ def fit_step_latency(
     triton backend verifies through the extend-attention kernel: a 128-row query tile per
     request and head, whatever the depth). Off by default, so fits to traces that cannot
     tell it from the per-token scales stay as they were.
+
+    ``verify_ctx_us_per_tok``, that kernel's loop over each request's prefix (per cached token
+    per sequence, :mod:`env.latency`), is fitted where the traces' drafted steps tell it from
+    ``oh_spec_us``: their cached tokens per sequence spread (the 90th percentile at least
+    :data:`CTX_SPREAD` times the 10th); else it stays as given.
     """
     from scipy.optimize import least_squares
 
     bs, depth, ctx, pf, us = _step_arrays(steps)
     if len(us) < 10:
         raise FitError(f"traces: only {len(us)} usable step records; need at least 10 to fit step latency")
+    per_seq = ctx[depth > 0] / np.maximum(bs[depth > 0], 1.0)
+    lo_ctx, hi_ctx = np.percentile(per_seq, [10, 90]) if len(per_seq) else (0.0, 0.0)
+    ctx_spread = len(per_seq) >= 10 and bool(hi_ctx >= CTX_SPREAD * lo_ctx)
     # (name, unit scale of the free variable, whether the traces identify it)
     over = [
         ("oh_us", 1000.0, True),
@@ -228,6 +239,7 @@ def fit_step_latency(
         ("v0_fix_us", 1000.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
         ("v0_seq_us", 10.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
         ("verify_seq_us", 10.0, verify_seq and bool(np.any(depth > 0))),
+        ("verify_ctx_us_per_tok", 1.0, ctx_spread),
     ]
     groups = tuple(_GROUPS.items())
     ng = len(groups)

@@ -31,19 +31,29 @@ The draft head is the same kind of pass, ``d_layers`` of the target's layers wid
 One engine step at depth ``k`` (SGLang EAGLE-3, chain drafts, ``topk = 1``)::
 
     k > 0:  oh + oh_req·B + oh_spec + Σ_{i=1..k} draft(B, 1, C) [first with fc]
-            + target(B, k + 1, C) + ver·B + draft(B, k + 1, C) + ext·B [draft extend after verify]
-    k = 0, off_path "plain":   oh + oh_req·B + target(B, 1, C) + off_extend·(draft(B, 1, C) + ext·B)
-    k = 0, off_path "verify":  oh + oh_req·B + oh_spec + target(B, 1, C) + ver·B + v0_fix + v0_seq·B
-                               + draft(B, 1, C) + ext·B
-    ver = verify_seq_us,  ext = verify_seq_us · d_layers / layers
+            + target(B, k + 1, C) + ver + draft(B, k + 1, C) + ext [draft extend after verify]
+    k = 0, off_path "plain":   oh + oh_req·B + target(B, 1, C) + off_extend·(draft(B, 1, C) + ext)
+    k = 0, off_path "verify":  oh + oh_req·B + oh_spec + target(B, 1, C) + ver + v0_fix + v0_seq·B
+                               + draft(B, 1, C) + ext
+    ver = verify_seq_us·B + verify_ctx_us_per_tok·C / Bx,  ext = ver · d_layers / layers
+    Bx  = B / (1 + (B / ext_wave_seqs)^s)^(1/s)          the requests of one wave of the extend kernel
 
-``verify_seq_us`` is SGLang's own cost per request of a pass through its extend-attention
-kernel (the triton backend verifies that way: one 128-row query tile per request and query
-head, however few rows are real, looping over the request's prefix), on top of the profiled
-pass; the draft extends run the same kernel over the draft's ``d_layers``. Fitted to the real
-H200 server's k > 0 steps (about 145 µs per request at ~320 cached tokens per sequence); held
-constant in context, which the traces (one context length) cannot test. 0 (the profile's
-plain PyTorch passes, the seed deployment) leaves every step as before, bit for bit.
+``ver`` is SGLang's own cost of a pass through its extend-attention kernel (the triton backend
+verifies that way: one 128-row query tile per request and query head, however few rows are
+real, looping over the request's prefix), on top of the profiled pass; the draft extends run
+the same kernel over the draft's ``d_layers``. ``verify_seq_us`` is its cost per request
+(fitted to the real H200 server's k > 0 steps, about 145 µs per request at ~320 cached tokens
+per sequence). ``verify_ctx_us_per_tok`` is its loop over the prefix: each (request, query
+head) block walks its own request's cached tokens one tile after another. The blocks of up to
+``ext_wave_seqs`` requests run side by side (one block per SM: 132 SMs / 32 query heads), so
+the pass lasts as long as one request's loop, ``L = C / B`` tokens, and each further wave of
+requests adds another: ``C / Bx`` (smooth, as the attention's first wave). On the H100 testbed
+a drafted step at batch 1-4 grew by 2.1-2.3 µs per cached token per sequence at every depth
+1-5 (the depth-0 decode by 0.3), about 5.6 at batch 15 and 9-11 at 24; a bs = 1 step at depth
+3 took 8.3 ms at ~380 tokens and 10.0-10.5 ms at 1,200-1,500. Fitted to traces
+(``env.fit.fit_step_latency``) where the drafted steps' contexts differ enough to tell it from
+``oh_spec_us``. Both 0 (the profile's plain PyTorch passes, the seed deployment) leave every
+step as before, bit for bit.
 
 ``off_path`` is how the deployment runs depth 0: ``"plain"`` is the off switch
 (``sglang_hook/off_switch.py``: the target's plain decode), whose depth-0 step pays the share
@@ -158,6 +168,10 @@ class LatencyParams:
     v0_fix_us: float = 0.0
     v0_seq_us: float = 0.0
     verify_seq_us: float = 0.0
+    # SGLang's extend-attention loop over a request's prefix, per cached token per sequence
+    # (module docstring): fitted to traces, 0 in the profile-built deployments.
+    verify_ctx_us_per_tok: float = 0.0
+    ext_wave_seqs: float = 4.125  # ... whose blocks run side by side: SMs / query heads (declared)
     pf_attn_us_per_tok: float = 0.02
     pf_scale: float = 1.0
     # A step that admits requests, beyond its prefill pass: fitted to traces (env.fit), 0 in the
@@ -202,7 +216,7 @@ class LatencyParams:
         return replace(self, **changes)
 
 
-DECLARED = ("p", "layers", "wave_seqs", "wave_sharpness", "d_layers")
+DECLARED = ("p", "layers", "wave_seqs", "wave_sharpness", "d_layers", "ext_wave_seqs")
 """Coefficients set from the hardware and the model's shape, never fitted."""
 
 # --------------------------------------------------------------------------- the coefficient array
@@ -221,6 +235,7 @@ STEP_COEFFS = (
     "oh_us", "oh_spec_us", "oh_req_us",
     "off_verify", "off_extend", "v0_fix_us", "v0_seq_us",
     "pf_attn_us_per_tok", "pf_scale", "verify_seq_us", "admit_us", "admit_seq_us", "admit_hide",
+    "verify_ctx_us_per_tok", "ext_wave_seqs",
 )  # fmt: skip
 (
     I_T_FIX, I_W, I_F, I_P, I_TOK, I_LAYERS,
@@ -230,7 +245,8 @@ STEP_COEFFS = (
     I_OH, I_OH_SPEC, I_OH_REQ,
     I_OFF_VERIFY, I_OFF_EXTEND, I_V0_FIX, I_V0_SEQ,
     I_PF_ATTN, I_PF_SCALE, I_VER_SEQ, I_ADMIT, I_ADMIT_SEQ, I_ADMIT_HIDE,
-) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39)  # fmt: skip
+    I_VER_CTX, I_EXT_WAVE,
+) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41)  # fmt: skip
 I_SPLIT_Q = I_SPLIT + 4
 
 _COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
@@ -333,10 +349,22 @@ def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float, b: float) -> f
 
 
 @maybe_njit
-def _extend_seq(c: np.ndarray, b: float) -> float:
-    """The draft extend's share of SGLang's per-request verify cost: the same extend-attention
-    tiles per request and head, over the draft's ``d_layers`` instead of the target's ``layers``."""
-    return c[I_VER_SEQ] * b * c[I_D_LAYERS] / c[I_LAYERS]
+def _extend_kernel(c: np.ndarray, b: float, ctx_tokens: float) -> float:
+    """SGLang's own cost of one target pass through its extend-attention kernel, ``ver`` of the
+    module docstring: per request, and its loop over each request's prefix, which the requests
+    of one wave (``ext_wave_seqs``) run side by side: ``ctx_tokens`` over the wave's requests."""
+    if b <= 0.0:
+        return 0.0
+    s = c[I_SHARP]
+    wave = b / (1.0 + (b / c[I_EXT_WAVE]) ** s) ** (1.0 / s)
+    return c[I_VER_SEQ] * b + c[I_VER_CTX] * (ctx_tokens / wave)
+
+
+@maybe_njit
+def _extend_seq(c: np.ndarray, b: float, ctx_tokens: float) -> float:
+    """The draft extend's share of :func:`_extend_kernel`: the same extend-attention tiles per
+    request and head, over the draft's ``d_layers`` instead of the target's ``layers``."""
+    return _extend_kernel(c, b, ctx_tokens) * c[I_D_LAYERS] / c[I_LAYERS]
 
 
 # --------------------------------------------------------------------------- one engine step
@@ -362,15 +390,18 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
         q = depth + 1.0
         t += c[I_OH_SPEC]
         t += depth * _draft_pass(c, b, 1.0, ctx_tokens, False) + c[I_D_FC]  # k draft steps, the first with fc
-        t += _target_pass(c, b, q, ctx_tokens) + c[I_VER_SEQ] * b  # the verify pass, SGLang's per request
-        t += _draft_pass(c, b, q, ctx_tokens, False) + _extend_seq(c, b)  # draft extend over the verified tokens
+        t += _target_pass(c, b, q, ctx_tokens) + _extend_kernel(c, b, ctx_tokens)  # the verify pass
+        t += _draft_pass(c, b, q, ctx_tokens, False) + _extend_seq(c, b, ctx_tokens)  # the draft extend
     else:
         t += _target_pass(c, b, 1.0, ctx_tokens)
         if c[I_OFF_VERIFY] != 0.0:  # SGLang's own depth 0: a width-1 verify and the draft extend
-            t += c[I_OH_SPEC] + c[I_VER_SEQ] * b + c[I_V0_FIX] + c[I_V0_SEQ] * b + _draft_pass(c, b, 1.0, ctx_tokens, False)
-            t += _extend_seq(c, b)
+            t += (
+                c[I_OH_SPEC] + _extend_kernel(c, b, ctx_tokens) + c[I_V0_FIX] + c[I_V0_SEQ] * b
+                + _draft_pass(c, b, 1.0, ctx_tokens, False)
+            )  # fmt: skip
+            t += _extend_seq(c, b, ctx_tokens)
         elif c[I_OFF_EXTEND] != 0.0:  # the off switch: its share of the drafter's one-token extend
-            t += c[I_OFF_EXTEND] * (_draft_pass(c, b, 1.0, ctx_tokens, False) + _extend_seq(c, b))
+            t += c[I_OFF_EXTEND] * (_draft_pass(c, b, 1.0, ctx_tokens, False) + _extend_seq(c, b, ctx_tokens))
     if pf > 0.0 and c[I_ADMIT_HIDE] != 0.0:  # the part of the admission the step hides
         t -= min(c[I_ADMIT] + c[I_ADMIT_SEQ] * b, c[I_ADMIT_HIDE] * (t - pf))
     return float(t)

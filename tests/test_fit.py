@@ -252,20 +252,21 @@ def _composed_step_us(lp, bs: int, depth: int, ctx_tokens: float, prefill_tokens
         p = float(prefill_tokens)
         pf = lp.t_fix_us + lp.pf_scale * (gemm_us(lp, p) + lp.tok_us_per_tok * p) + lp.layers * lp.dec_fix_us
         pf += lp.pf_attn_us_per_tok * p + lp.admit_us + lp.admit_seq_us * bs
+    wave = bs / (1.0 + (bs / lp.ext_wave_seqs) ** lp.wave_sharpness) ** (1.0 / lp.wave_sharpness)
+    ver = lp.verify_seq_us * bs + lp.verify_ctx_us_per_tok * ctx_tokens / wave  # SGLang's extend kernel
+    ext = ver * lp.d_layers / lp.layers  # the draft extend's share
     if depth > 0:
         t += lp.oh_spec_us + float(draft_us(lp, bs, 1, ctx_tokens, True))
         t += (depth - 1) * float(draft_us(lp, bs, 1, ctx_tokens, False))
-        ext = lp.verify_seq_us * bs * lp.d_layers / lp.layers  # the draft extend's share
-        t += float(target_us(lp, bs, depth + 1, ctx_tokens)) + lp.verify_seq_us * bs
+        t += float(target_us(lp, bs, depth + 1, ctx_tokens)) + ver
         t += float(draft_us(lp, bs, depth + 1, ctx_tokens)) + ext
     else:
         t += float(target_us(lp, bs, 1, ctx_tokens))
         if lp.off_path == "verify":
-            t += lp.oh_spec_us + lp.verify_seq_us * bs + lp.v0_fix_us + lp.v0_seq_us * bs
-            t += float(draft_us(lp, bs, 1, ctx_tokens)) + lp.verify_seq_us * bs * lp.d_layers / lp.layers
+            t += lp.oh_spec_us + ver + lp.v0_fix_us + lp.v0_seq_us * bs
+            t += float(draft_us(lp, bs, 1, ctx_tokens)) + ext
         elif lp.off_extend:  # its share of the drafter's one-token extend
-            ext0 = float(draft_us(lp, bs, 1, ctx_tokens, False)) + lp.verify_seq_us * bs * lp.d_layers / lp.layers
-            t += lp.off_extend * ext0
+            t += lp.off_extend * (float(draft_us(lp, bs, 1, ctx_tokens, False)) + ext)
     # the admission's cost, less the share the step it joins hides
     return t + pf - min(lp.admit_us + lp.admit_seq_us * bs, lp.admit_hide * t) if pf else t
 
@@ -282,8 +283,9 @@ def test_the_step_kernel_agrees_with_the_pass_terms_and_over_arrays():
         for off in ("plain", "verify", "kv"):
             base = load_deployment(name).latency
             lp = replace(base, off_path="plain", off_extend=OFF_EXTEND["kv"]) if off == "kv" else replace(base, off_path=off)
-            if off == "kv":  # and an admission cost, as fitted to the H100 testbed's traces
+            if off == "kv":  # and an admission cost and an extend loop, as fitted to the H100 testbed's traces
                 lp = replace(lp, admit_us=30_000.0, admit_seq_us=150.0, admit_hide=0.8)
+                lp = replace(lp, verify_ctx_us_per_tok=2.2)
             ref = np.array(
                 [_composed_step_us(lp, int(b), int(k), float(x), float(p)) for b, k, x, p in zip(bs, d, c, pf)]
             )
@@ -311,7 +313,7 @@ def test_the_coefficient_indices_name_step_coeffs():
         "I_OFF_VERIFY": "off_verify", "I_OFF_EXTEND": "off_extend", "I_V0_FIX": "v0_fix_us",
         "I_V0_SEQ": "v0_seq_us", "I_PF_ATTN": "pf_attn_us_per_tok", "I_PF_SCALE": "pf_scale",
         "I_VER_SEQ": "verify_seq_us", "I_ADMIT": "admit_us", "I_ADMIT_SEQ": "admit_seq_us",
-        "I_ADMIT_HIDE": "admit_hide",
+        "I_ADMIT_HIDE": "admit_hide", "I_VER_CTX": "verify_ctx_us_per_tok", "I_EXT_WAVE": "ext_wave_seqs",
     }  # fmt: skip
     for const, name in named.items():
         assert latency.STEP_COEFFS[getattr(latency, const)] == name, const
@@ -325,6 +327,66 @@ def test_the_coefficient_indices_name_step_coeffs():
     for i, name in enumerate(latency.STEP_COEFFS):
         want = (lp.off_path == "verify") if name == "off_verify" else getattr(lp, name)
         assert c[i] == float(want), name
+
+
+def test_the_extend_loop_is_priced_per_cached_token_of_a_sequence():
+    """SGLang's extend-attention kernel loops over each request's prefix, the requests of one wave
+    (``ext_wave_seqs``, 4.125) side by side: a drafted step (and SGLang's own depth 0) pays
+    ``verify_ctx_us_per_tok`` per cached token *per sequence* in the verify and its draft-extend
+    share, so up to a wave of requests of L tokens pay the loop about once, not once each, and a
+    batch of 64 pays it for each of its ~16 waves; the off switch's plain depth 0 pays only its
+    extend share."""
+    base = replace(load_deployment("h200-llama8b").latency, jitter=0.0)
+    lp = replace(base, verify_ctx_us_per_tok=2.2)
+    loop = 2.2 * (1.0 + lp.d_layers / lp.layers)  # µs per cached token per sequence: verify + draft extend
+    for depth in (1, 3, 5):
+        for bs, waves in ((1, 1.0), (2, 1.0), (4, 1.0), (64, 64 / 4.125)):
+            for per_seq in (300.0, 1500.0):
+                ctx = bs * per_seq
+                extra = step_time_us(lp, bs, depth, ctx) - step_time_us(base, bs, depth, ctx)
+                assert extra == pytest.approx(loop * per_seq * waves, rel=0.1), (depth, bs, per_seq)
+    one = step_time_us(lp, 1, 3, 1500.0) - step_time_us(base, 1, 3, 1500.0)
+    assert one == pytest.approx(loop * 1500.0, rel=1e-5)  # batch 1: the whole loop, once
+    kv = replace(lp, off_extend=OFF_EXTEND["kv"])
+    d0 = step_time_us(kv, 1, 0, 1500.0) - step_time_us(replace(kv, verify_ctx_us_per_tok=0.0), 1, 0, 1500.0)
+    assert d0 == pytest.approx(OFF_EXTEND["kv"] * 2.2 * lp.d_layers / lp.layers * 1500.0, rel=1e-5)
+    sg = replace(lp, off_path="verify")
+    d0 = step_time_us(sg, 1, 0, 1500.0) - step_time_us(replace(sg, verify_ctx_us_per_tok=0.0), 1, 0, 1500.0)
+    assert d0 == pytest.approx(loop * 1500.0, rel=1e-5)
+
+
+def _drafted_records(lp, prompt: str, seed: int = 0) -> list:
+    """A simulated server's records at batch 1-2 drafting at depths 1, 3 and 5 in turn."""
+    from env.engine import Engine
+
+    params = replace(load_deployment("h200-llama8b"), latency=lp)
+    eng = Engine(params, f"closed:2@prompt={prompt},output=80,n=60")
+    eng.reset(seed)
+    recs = []
+    while not eng.done:
+        recs.append(eng.step((1, 3, 5)[len(recs) % 3]))
+    return recs
+
+
+def test_the_extend_loop_is_recovered_from_drafted_steps_of_spread_contexts():
+    """``fit_step_latency`` on records whose drafted steps' cached tokens per sequence spread
+    (prompts of 100-2,000 tokens) recovers the loop's cost per token, so a batch-1 step at a short
+    context is priced as the records had it and not at their mean context; it reads none where
+    the records had none; where every sequence holds about as many tokens it cannot tell the
+    loop from ``oh_spec_us`` and leaves it as given."""
+    from env.fit import fit_step_latency
+
+    base = replace(load_deployment("h200-llama8b").latency, jitter=0.01)
+    truth = replace(base, verify_ctx_us_per_tok=2.2)
+    fitted = fit_step_latency(base, _drafted_records(truth, "100-2000"))
+    assert fitted.verify_ctx_us_per_tok == pytest.approx(2.2, rel=0.1)
+    for per_seq in (150.0, 2000.0):
+        for depth in (1, 5):
+            got, want = (step_time_us(lp, 1, depth, per_seq) for lp in (fitted, truth))
+            assert got == pytest.approx(want, rel=0.03), (per_seq, depth)
+    assert fit_step_latency(base, _drafted_records(base, "100-2000")).verify_ctx_us_per_tok < 0.2
+    same = fit_step_latency(replace(base, verify_ctx_us_per_tok=1.0), _drafted_records(truth, "400"))
+    assert same.verify_ctx_us_per_tok == 1.0
 
 
 def test_an_admission_cost_split_over_two_records_is_recovered(tmp_path):
