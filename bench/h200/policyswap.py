@@ -52,6 +52,8 @@ NAMED_ZIPS = {
     "ppo-retrained": "bench/results/realgpu/ppo-retrained/ppo.zip",  # `controller train --traces` (REALGPU.md)
     # The same, on the H100 calls' traces (bench/results/realgpu/h100/): an H100's policy.
     "ppo-retrained-h100": "bench/results/realgpu/h100/ppo-retrained/ppo.zip",
+    # On the drawn-length calls M-U's hook records, today's fit (drawn/ppo-retrained/README.md).
+    "ppo-retrained-mu": "bench/results/realgpu/h100/drawn/ppo-retrained/ppo.zip",
 }
 
 # Policy names that stand for goodput with a fitted latency model (a sim.json in the repository).
