@@ -794,6 +794,9 @@ def test_trace_points_splits_points_and_reads_decode_admissions_and_depths(tmp_p
     assert d["admissions"] == 1 and d["admit_ms"] == pytest.approx(6.0)
     assert d["depths"] == pytest.approx({0: 8 / 12, 3: 4 / 12})  # the bs-2 drain step is not at full batch
     assert d["full_share"] == pytest.approx((6 * 5 + 2 * 8 + 4 * 5) / (6 * 5 + 2 * 8 + 5 * 5))
+    assert d["resumed"] == (1.0, 1) and d["later"] == (1.0, 3)  # one resume, three drafted steps after it
+    resume = [dict(s, accept=[0] * s["bs"]) if i == 8 else s for i, s in enumerate(second)]
+    assert trace_points.describe(resume)["resumed"] == (0.0, 1)  # a resume whose drafts were all lost
 
     from controller.traces import TraceWriter
 
@@ -803,4 +806,4 @@ def test_trace_points_splits_points_and_reads_decode_admissions_and_depths(tmp_p
     w.close()
     assert trace_points.main([str(w.path), "--min-steps", "5"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| static-0-h200-off |")]
-    assert len(rows) == 2 and rows[1].endswith("| 0: 0.67, 3: 0.33 |")
+    assert len(rows) == 2 and rows[1].endswith("| 0: 0.67, 3: 0.33 | 1.00 (1) / 1.00 (3) |")

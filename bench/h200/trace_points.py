@@ -11,7 +11,11 @@ more than ``--gap-ms``), this prints:
 - ``decode``: the median step at the full batch without an admission, and ``admit``: the mean
   extra time per admission (a step whose record carries ``prefill_tokens``, with the step before
   it: under the overlap scheduler an admission's time can land in the record before the one
-  that counts its tokens), against two such decode steps; mean and median.
+  that counts its tokens), against two such decode steps; mean and median;
+- ``first draft accepted``: the share of requests whose first draft token was accepted, on the
+  drafted steps right after a depth-0 step (a resume) and on the other drafted steps. With the
+  off switch's ``kv`` drafter the first proposal after a resume comes from a stale hidden state
+  (``bench/results/realgpu/offswitch/README.md``), and the simulator does not model that loss.
 
 Traces carry no plain server (it has no hook), so this compares policies of the hook server
 only. Usage: ``python bench/h200/trace_points.py TRACE.msgpack.gz [...]``.
@@ -65,7 +69,17 @@ def describe(point: list[dict]) -> dict[str, Any]:
         "admit_ms": statistics.fmean(extra) / 1e3 if extra else float("nan"),
         "admit_p50_ms": statistics.median(extra) / 1e3 if extra else float("nan"),
         "depths": {d: n / len(full) for d, n in sorted(Counter(point[i]["depth"] for i in full).items())},
+        "resumed": _first_accepted(point, resumed=True),
+        "later": _first_accepted(point, resumed=False),
     }
+
+
+def _first_accepted(point: list[dict], resumed: bool) -> tuple[float, int]:
+    """(share of requests that accepted their first draft token, steps) over the point's drafted
+    steps that follow a depth-0 step (``resumed``) or a drafted one."""
+    steps = [point[i] for i in range(1, len(point)) if point[i]["depth"] > 0 and (point[i - 1]["depth"] == 0) == resumed]
+    firsts = [min(a, 1) for s in steps for a in s["accept"]]
+    return (statistics.fmean(firsts) if firsts else float("nan"), len(steps))
 
 
 def label(path: Path) -> str:
@@ -82,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(
         "| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions "
-        "| ms per admission, mean / median | depths at full batch |"
+        "| ms per admission, mean / median | depths at full batch | first draft accepted: resumed / later (steps) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for path in args.traces:
         steps = [r for r in iter_records(path) if r.get("t") == "step"]
         for p in points(steps, args.gap_ms):
@@ -95,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {label(path)} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
                 f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} "
                 f"| {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} "
-                f"| {', '.join(f'{k}: {v:.2f}' for k, v in d['depths'].items() if v >= 0.005)} |"
+                f"| {', '.join(f'{k}: {v:.2f}' for k, v in d['depths'].items() if v >= 0.005)} "
+                f"| {d['resumed'][0]:.2f} ({d['resumed'][1]}) / {d['later'][0]:.2f} ({d['later'][1]}) |"
             )
     return 0
 
