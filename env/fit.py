@@ -34,7 +34,13 @@ import numpy as np
 
 from controller.errors import TraceError
 from controller.protocol import Step
-from env.acceptance import AcceptanceParams, accept_length_pmf, calibrate_to_conditionals, fit_acceptance
+from env.acceptance import (
+    AcceptanceParams,
+    accept_length_pmf,
+    calibrate_to_conditionals,
+    fit_acceptance,
+    with_resume_loss,
+)
 from env.errors import FitError
 from env.latency import (
     KV_NAMES,
@@ -168,6 +174,37 @@ def _split(recs: dict[str, list[Step]]) -> tuple[dict[str, list[Step]], dict[str
 
 def _flat(recs: dict[str, list[Step]]) -> list[Step]:
     return [s for steps in recs.values() for s in steps]
+
+
+RESUME_LOST_BELOW = 0.25
+"""Resumed steps whose first draft token is accepted at under this share of the other drafted
+steps' rate read as a lost step (:func:`resume_acceptance`)."""
+MIN_RESUMES = 10
+
+
+def resume_acceptance(recs: dict[str, list[Step]]) -> tuple[float, float, int]:
+    """The share of requests that accepted their first draft token on the drafted steps right
+    after a depth-0 step of the same instance (a resume), the same on the other drafted steps,
+    and the number of resumes."""
+    first: list[int] = []
+    other: list[int] = []
+    n = 0
+    for steps in recs.values():
+        for prev, s in zip(steps, steps[1:], strict=False):
+            if s.depth > 0 and s.accept:
+                (first if prev.depth == 0 else other).extend(min(a, 1) for a in s.accept)
+                n += prev.depth == 0
+    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
+    return mean(first), mean(other), n
+
+
+def _without_resumes(recs: dict[str, list[Step]]) -> dict[str, list[Step]]:
+    """``recs`` less each drafted step that follows a depth-0 step (their accept lists are the
+    resume's loss, not the drafter's quality)."""
+    return {
+        name: [s for i, s in enumerate(steps) if not (i and s.depth > 0 and steps[i - 1].depth == 0)]
+        for name, steps in recs.items()
+    }
 
 
 def _step_arrays(steps: list[Step]) -> tuple[np.ndarray, ...]:
@@ -514,8 +551,20 @@ def fit_sim(
             + ("; SGLang's depth-0 verify cost v0_fix_us, v0_seq_us" if lp.off_path == "verify" else "")
         )
 
-        counts_fit, counts_hold = accept_counts(fit_steps, ap), accept_counts(hold_steps, ap)
-        counts_all = accept_counts(all_steps, ap)
+        acc_recs = recs
+        first, other, n_resumed = resume_acceptance(recs)
+        if n_resumed >= MIN_RESUMES and first < RESUME_LOST_BELOW * other:
+            # The resumes' zeros are the off switch's, not the drafter's: model them as such,
+            # and fit the drafter's acceptance on the other steps.
+            ap = with_resume_loss(ap)
+            acc_recs = _without_resumes(recs)
+            report.fitted.append(
+                f"a resume loses its drafts: the first draft token accepted on {first:.2f} of the requests "
+                f"of {n_resumed} drafted steps right after depth 0, against {other:.2f} on the others"
+            )
+        fit_acc, hold_acc = _split(acc_recs)
+        counts_fit, counts_hold = accept_counts(_flat(fit_acc), ap), accept_counts(_flat(hold_acc), ap)
+        counts_all = accept_counts(_flat(acc_recs), ap)
         n_entries = int(sum(c.sum() for c in counts_all.values()))
         report.accept_entries = n_entries
         if n_entries < 50:

@@ -484,3 +484,36 @@ def test_the_request_path_is_recovered_from_times_to_first_token():
     # One concurrency: the latency alone; a path shorter than the model's own TTFT: none.
     assert fit_request_path(base, {1: ttft_ms[1]}, workload).engine.request_serial_us == 0
     assert fit_request_path(base, {1: 0.1}, workload).engine.request_latency_us == 0
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_the_fit_reads_a_resume_that_loses_its_drafts_apart_from_the_drafter(tmp_path, lost):
+    """A server whose first drafted step after depth 0 accepts nothing (the ``kv`` off switch)
+    is fitted as such (``with_resume_loss``) and its drafter's acceptance from the other steps;
+    a server without that loss is not, and the fitted acceptance is the same either way."""
+    from controller.traces import TraceWriter
+    from env.acceptance import with_resume_loss
+    from env.engine import Engine
+    from env.fit import resume_acceptance
+
+    params = load_deployment("h200-llama8b")
+    truth = replace(params.acceptance, stale_logit=0.0, drift_sd=0.0, p_zero=0.0)
+    params = replace(params, acceptance=with_resume_loss(truth) if lost else truth)
+    eng = Engine(params, "closed:8")
+    eng.reset(0)
+    plan = [0, 0, 3, 3, 3, 3]  # a resume every 6 steps
+    recs = []
+    with TraceWriter(tmp_path, "resumes", start_ns=1) as w:
+        for i in range(3000):
+            rec = eng.step(plan[i % len(plan)])
+            recs.append(rec)
+            w.write(rec.to_wire(), rec.ts_ns)
+    first, other, n = resume_acceptance({"x": recs})
+    assert n == 500 and other > 0.5
+    # (a request admitted at the resume itself had no step at depth 0, and keeps its drafts)
+    assert (first < 0.01) if lost else (first == pytest.approx(other, abs=0.05))
+    fitted, report = fit_sim(str(tmp_path), [])
+    assert any("a resume loses its drafts" in f for f in report.fitted) == lost
+    assert (fitted.acceptance.stale_logit == 30.0) == lost
+    # The drafter as the other steps show it, resumes or not: its first position's mean rate.
+    assert marginal_conditionals(fitted.acceptance)[0] == pytest.approx(marginal_conditionals(truth)[0], abs=0.05)

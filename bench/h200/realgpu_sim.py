@@ -159,6 +159,13 @@ def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
     return f"closed:{c}@prompt={prompt},output={out},n={max(4, per_conc * c)}"
 
 
+ACTION_DELAY = 3
+"""Steps between a record and the step that runs the decision made from it, on the H100
+testbed's hook server: the depth it ran followed 98-100% of the bundled and the retrained
+policy's decision changes three steps later, 3-4% two steps later (``decision_delay.py`` on
+calls S and X's traces). The simulator's default is 1."""
+
+
 def replay(
     params: Any,
     points: dict[tuple[str, str, int], dict[int, float]],
@@ -168,6 +175,7 @@ def replay(
     exact: bool = True,
     call: argparse.Namespace | None = None,
     prefix_hit: float = 0.99,
+    action_delay: int = ACTION_DELAY,
 ) -> list[tuple[str, int, list[float], float | None]]:
     """Each point's benchmark in the simulator: (policy, C, measured tok/s per repetition,
     simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule)."""
@@ -204,7 +212,7 @@ def replay(
             else:
                 specs = [sim_workload(workload, c, per_conc)]
             sims = [
-                simulate(point, wl, factory(depths), depths=depths, seed=seed, action_delay=1).throughput_tok_s
+                simulate(point, wl, factory(depths), depths=depths, seed=seed, action_delay=action_delay).throughput_tok_s
                 for wl in specs
                 for seed in range(seeds)
             ]
@@ -222,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--prefix-hit", type=float, default=0.99,
         help="the radix cache's hit on a point whose prompts were sent before it (others: 0)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--action-delay", type=int, default=ACTION_DELAY,
+        help=f"steps between a record and the step its decision runs at (default {ACTION_DELAY}, as measured)",
     )  # fmt: skip
     ap.add_argument(
         "--draws", choices=("exact", "fresh"), default="exact",
@@ -292,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|")
         points = replay(
             params, measured(paths), args.seeds, args.requests_per_conc or int(call.requests_per_conc),
-            exact=args.draws == "exact", call=call, prefix_hit=args.prefix_hit,
+            exact=args.draws == "exact", call=call, prefix_hit=args.prefix_hit, action_delay=args.action_delay,
         )  # fmt: skip
         for policy, c, reps, sim in points:
             real = float(np.mean(reps))
