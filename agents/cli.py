@@ -57,6 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.98)")
     t.add_argument(
+        "--delay",
+        default=None,
+        metavar="LO,HI",
+        help="steps between a record and the step its decision runs at, drawn per episode from LO..HI "
+        "(default 1,2; bench/h200/decision_delay.py measures a server's: 3 on the H100 testbed)",
+    )
+    t.add_argument(
         "--drafter-mix",
         type=float,
         default=None,

@@ -48,6 +48,20 @@ from controller.errors import ConfigError
 from controller.features import SPEC_STALENESS_STEPS
 from controller.protocol import DEFAULT_DEPTHS
 
+MAX_DELAY = 8
+
+
+def parse_delay(text: str) -> tuple[int, int]:
+    """``--delay LO,HI`` (or one number) → the inclusive range of action delays to draw from."""
+    try:
+        parts = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise ConfigError(f"--delay must be LO,HI or one step count, got {text!r}") from None
+    lo, hi = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[-1])
+    if len(parts) > 2 or not 1 <= lo <= hi <= MAX_DELAY:
+        raise ConfigError(f"--delay must be LO,HI with 1 <= LO <= HI <= {MAX_DELAY}, got {text!r}")
+    return lo, hi
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -187,6 +201,8 @@ class TrainConfig:
             value = getattr(args, flag, None)
             if value is not None:
                 cfg = replace(cfg, **{name: value})
+        if getattr(args, "delay", None) is not None:
+            cfg = replace(cfg, delay=parse_delay(args.delay))
         if args.timesteps is not None:
             cfg = replace(cfg, timesteps=args.timesteps)
         if args.n_envs is not None:

@@ -298,3 +298,28 @@ def test_a_costlier_probe_waits_longer_at_depth_0():
     assert abs(first_probe_step(dear) - (35 + 100)) <= 1
     fixed = ProbeRule.for_config(replace(cfg, bc_probe_cost_steps=0.0))
     assert fixed is not None and fixed.threshold(cheap) == fixed.threshold(dear) == 0.5
+
+
+def test_train_takes_the_servers_decision_delay(tmp_path):
+    """``controller train --delay`` sets the range of action delays the episodes draw from (the
+    H100 testbed's hook ran each decision three steps after its record); bad ranges are refused."""
+    from agents.train import TrainConfig
+
+    class Args:
+        out = tmp_path / "p.zip"
+        traces = sim = None
+        profile: list = []
+        deployment = "seed"
+        seed = 0
+        no_progress = True
+        timesteps = n_envs = None
+        delay: str | None = None
+
+    assert TrainConfig.from_args(Args(), None).delay == (1, 2)
+    for text, want in (("3", (3, 3)), ("1,3", (1, 3))):
+        Args.delay = text
+        assert TrainConfig.from_args(Args(), None).delay == want
+    for bad in ("0", "3,1", "1,2,3", "x", "9"):
+        Args.delay = bad
+        with pytest.raises(ConfigError, match="--delay"):
+            TrainConfig.from_args(Args(), None)
