@@ -15,7 +15,8 @@ more than ``--gap-ms``), this prints:
 - ``first draft accepted``: the share of requests whose first draft token was accepted, on the
   drafted steps right after a depth-0 step (a resume) and on the other drafted steps. With the
   off switch's ``kv`` drafter the first proposal after a resume comes from a stale hidden state
-  (``bench/results/realgpu/offswitch/README.md``); `controller fit` reads it from the traces (`env.fit.resume_acceptance`).
+  (``bench/results/realgpu/offswitch/README.md``); ``controller fit`` reads it from the traces
+  (``env.fit.resume_acceptance``).
 
 Traces carry no plain server (it has no hook), so this compares policies of the hook server
 only. Usage: ``python bench/h200/trace_points.py TRACE.msgpack.gz [...]``.
