@@ -304,22 +304,15 @@ def test_train_takes_the_servers_decision_delay(tmp_path):
     """``controller train --delay`` sets the range of action delays the episodes draw from (the
     H100 testbed's hook ran each decision three steps after its record); bad ranges are refused."""
     from agents.train import TrainConfig
+    from controller.cli import build_parser
 
-    class Args:
-        out = tmp_path / "p.zip"
-        traces = sim = None
-        profile: list = []
-        deployment = "seed"
-        seed = 0
-        no_progress = True
-        timesteps = n_envs = None
-        delay: str | None = None
+    def config(*delay: str) -> TrainConfig:
+        argv = ["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), *delay]
+        return TrainConfig.from_args(build_parser().parse_args(argv), None)
 
-    assert TrainConfig.from_args(Args(), None).delay == (1, 2)
+    assert config().delay == (1, 2)
     for text, want in (("3", (3, 3)), ("1,3", (1, 3))):
-        Args.delay = text
-        assert TrainConfig.from_args(Args(), None).delay == want
+        assert config("--delay", text).delay == want
     for bad in ("0", "3,1", "1,2,3", "x", "9"):
-        Args.delay = bad
         with pytest.raises(ConfigError, match="--delay"):
-            TrainConfig.from_args(Args(), None)
+            config("--delay", bad)
