@@ -361,15 +361,20 @@ def step_records(directory: str | os.PathLike[str]) -> dict[str, list[Step]]:
     """
     out: dict[str, list[Step]] = {}
     for path in trace_files(directory):
-        for record in iter_records(path):
-            if record.get("t") != "step":
-                continue
-            try:
-                step = parse_step(record)
-            except ProtocolError:
-                continue
+        for step in file_steps(path):
             out.setdefault(step.instance, []).append(step)
     return out
+
+
+def file_steps(path: str | os.PathLike[str]) -> Iterator[Step]:
+    """Every valid ``step`` record of one trace file as :class:`Step`, in file order."""
+    for record in iter_records(path):
+        if record.get("t") != "step":
+            continue
+        try:
+            yield parse_step(record)
+        except ProtocolError:
+            continue
 
 
 # --------------------------------------------------------------------------- summary

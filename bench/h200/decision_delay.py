@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from controller.features import featurizer_for  # noqa: E402
-from controller.protocol import DEFAULT_DEPTHS, ProtocolError, Step, parse_step  # noqa: E402
+from controller.protocol import DEFAULT_DEPTHS, Step  # noqa: E402
 from controller.registry import make_factory  # noqa: E402
-from controller.traces import iter_records  # noqa: E402
+from controller.traces import file_steps  # noqa: E402
 
 
 def followed(steps: list[Step], decisions: list[int], delay: int) -> tuple[float, int]:
@@ -40,18 +40,6 @@ def decisions_of(policy: str, steps: list[Step], depths: tuple[int, ...] = DEFAU
     return [depths[int(pol.act(feat.update(s), s))] for s in steps]
 
 
-def read_steps(path: Path) -> list[Step]:
-    """The valid step records of one trace file, in order."""
-    out = []
-    for record in iter_records(path):
-        if record.get("t") == "step":
-            try:
-                out.append(parse_step(record))
-            except ProtocolError:
-                continue
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policy", required=True, help="the PPO zip (or builtin:NAME) the trace's controller served")
@@ -61,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| trace | decision changes | " + " | ".join(f"followed {k} later" for k in range(1, args.max_delay + 1)) + " |")
     print("|---|---|" + "---|" * args.max_delay)
     for path in args.traces:
-        steps = read_steps(path)
+        steps = list(file_steps(path))
         dec = decisions_of(args.policy, steps)
         shares = [followed(steps, dec, k) for k in range(1, args.max_delay + 1)]
         print(f"| {path.name} | {shares[0][1]} | " + " | ".join(f"{s:.3f}" for s, _ in shares) + " |")
