@@ -27,6 +27,7 @@ then refitted on everything.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -182,20 +183,23 @@ steps' rate read as a lost step (:func:`resume_acceptance`)."""
 MIN_RESUMES = 10
 
 
-def resume_acceptance(recs: dict[str, list[Step]]) -> tuple[float, float, int]:
-    """The share of requests that accepted their first draft token on the drafted steps right
-    after a depth-0 step of the same instance (a resume), the same on the other drafted steps,
-    and the number of resumes."""
+def resume_acceptance(runs: Iterable[Sequence[tuple[int, Sequence[int]]]]) -> tuple[float, int, float, int]:
+    """First-draft acceptance around resumes, over ``runs`` of steps as ``(depth, accept)`` in
+    order (one run per instance or per point): the share of requests that accepted their first
+    draft token on the drafted steps right after a depth-0 step (a resume) and the number of
+    those steps, then the same over the other drafted steps."""
     first: list[int] = []
     other: list[int] = []
-    n = 0
-    for steps in recs.values():
-        for prev, s in zip(steps, steps[1:], strict=False):
-            if s.depth > 0 and s.accept:
-                (first if prev.depth == 0 else other).extend(min(a, 1) for a in s.accept)
-                n += prev.depth == 0
+    n_first = n_other = 0
+    for run in runs:
+        for (prev, _), (depth, accept) in zip(run, run[1:], strict=False):
+            if depth > 0:
+                resumed = prev == 0
+                (first if resumed else other).extend(min(a, 1) for a in accept)
+                n_first += resumed
+                n_other += not resumed
     mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
-    return mean(first), mean(other), n
+    return mean(first), n_first, mean(other), n_other
 
 
 def _without_resumes(recs: dict[str, list[Step]]) -> dict[str, list[Step]]:
@@ -552,7 +556,7 @@ def fit_sim(
         )
 
         acc_recs = recs
-        first, other, n_resumed = resume_acceptance(recs)
+        first, n_resumed, other, _ = resume_acceptance([[(s.depth, s.accept) for s in run] for run in recs.values()])
         if n_resumed >= MIN_RESUMES and first < RESUME_LOST_BELOW * other:
             # The resumes' zeros are the off switch's, not the drafter's: model them as such,
             # and fit the drafter's acceptance on the other steps.

@@ -508,7 +508,7 @@ def test_the_fit_reads_a_resume_that_loses_its_drafts_apart_from_the_drafter(tmp
             rec = eng.step(plan[i % len(plan)])
             recs.append(rec)
             w.write(rec.to_wire(), rec.ts_ns)
-    first, other, n = resume_acceptance({"x": recs})
+    first, n, other, _ = resume_acceptance([[(r.depth, r.accept) for r in recs]])
     assert n == 500 and other > 0.5
     # (a request admitted at the resume itself had no step at depth 0, and keeps its drafts)
     assert (first < 0.01) if lost else (first == pytest.approx(other, abs=0.05))

@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from controller.traces import iter_records, start_key  # noqa: E402
+from env.fit import resume_acceptance  # noqa: E402
 
 
 def points(steps: list[dict], gap_ms: float) -> list[list[dict]]:
@@ -59,6 +60,7 @@ def describe(point: list[dict]) -> dict[str, Any]:
     base = statistics.median(decode) if decode else float("nan")
     admits = [i for i in range(1, len(point)) if point[i]["prefill_tokens"] > 0 and point[i]["bs"] >= 0.9 * c]
     extra = [us[i] + us[i - 1] - 2 * base for i in admits]
+    first, n_first, other, n_other = resume_acceptance([[(s["depth"], s["accept"]) for s in point]])
     return {
         "c": c,
         "steps": len(point),
@@ -70,17 +72,9 @@ def describe(point: list[dict]) -> dict[str, Any]:
         "admit_ms": statistics.fmean(extra) / 1e3 if extra else float("nan"),
         "admit_p50_ms": statistics.median(extra) / 1e3 if extra else float("nan"),
         "depths": {d: n / len(full) for d, n in sorted(Counter(point[i]["depth"] for i in full).items())},
-        "resumed": _first_accepted(point, resumed=True),
-        "later": _first_accepted(point, resumed=False),
+        "resumed": (first, n_first),
+        "later": (other, n_other),
     }
-
-
-def _first_accepted(point: list[dict], resumed: bool) -> tuple[float, int]:
-    """(share of requests that accepted their first draft token, steps) over the point's drafted
-    steps that follow a depth-0 step (``resumed``) or a drafted one."""
-    steps = [point[i] for i in range(1, len(point)) if point[i]["depth"] > 0 and (point[i - 1]["depth"] == 0) == resumed]
-    firsts = [min(a, 1) for s in steps for a in s["accept"]]
-    return (statistics.fmean(firsts) if firsts else float("nan"), len(steps))
 
 
 def label(path: Path) -> str:
