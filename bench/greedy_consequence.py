@@ -61,21 +61,30 @@ class _Watch:
         return a
 
 
+def scenario_of(name: str) -> Any:
+    """The ``decisions-v3`` scenario called ``name``; exits naming it if there is none."""
+    from agents.suite import get_suite
+
+    sc = next((s for s in get_suite("decisions-v3") if s.name == name), None)
+    if sc is None:
+        raise SystemExit(f"no scenario {name!r} in decisions-v3")
+    return sc
+
+
 def run(scenario: str, seeds: int, policies: list[str]) -> list[tuple[str, np.ndarray]]:
     """One row per policy: (name, per-seed [throughput ratio, ctx/request, depth-0 rate, gain])."""
     from agents.evaluate import Workload, _build_policy, world_params
-    from agents.suite import get_suite, suite_seeds
+    from agents.suite import suite_seeds
     from controller.ppo_policy import read_ppo_zip
+    from controller.protocol import DEFAULT_DEPTHS
     from env.deployments import load_deployment
     from env.runner import simulate
 
-    sc = next((s for s in get_suite("decisions-v3") if s.name == scenario), None)
-    if sc is None:
-        raise SystemExit(f"no scenario {scenario!r} in decisions-v3")
+    sc = scenario_of(scenario)
     params = load_deployment(sc.deployment)
     w = Workload(sc.workload, sc.loop, None, sc.duration_s, key=sc.name, perturb=sc.perturb, salt=sc.salt)
     zips = [p for p in policies if p.endswith(".zip")]
-    depths = read_ppo_zip(zips[0])[0].depths if zips else (0, 1, 2, 3, 5)
+    depths = read_ppo_zip(zips[0])[0].depths if zips else DEFAULT_DEPTHS
     rows: dict[str, list[list[float]]] = {p: [] for p in policies}
     for seed in suite_seeds(seeds):
         world = world_params(params, w, seed)
@@ -104,13 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         "--policy", default=None, help="a PPO zip (default: the bundled zip of the scenario's deployment)"
     )
     args = ap.parse_args(argv)
-    from agents.suite import get_suite
+    from agents.evaluate import _resolve_zip
 
-    if args.policy is None:
-        sc = next((s for s in get_suite("decisions-v3") if s.name == args.scenario), None)
-        if sc is None:
-            raise SystemExit(f"no scenario {args.scenario!r} in decisions-v3")
-        args.policy = f"agents/bundled/{sc.deployment}/ppo.zip"
+    if args.policy is None:  # as controller eval --suite resolves a {deployment} zip
+        args.policy = _resolve_zip("agents/bundled/{deployment}/ppo.zip", scenario_of(args.scenario).deployment)
     policies = ["static:0", args.policy, "goodput-fit", "oracle"]
     print(f"{args.scenario}, {args.seeds} seeds (mean, min-max over seeds)\n")
     print(
