@@ -20,9 +20,10 @@ BASE                               meaning
                                    ``odd_shift``), even ones chat-like: an acceptance phase
                                    shift every PERIOD_S/2 (and a length shift with ``odd_long``)
 ``replay:PATH``                    arrivals replayed: a CSV with ``arrival_s,prompt_tokens``
-                                   (and optionally ``output_tokens``), or a trace folder,
-                                   where every record with ``prefill_tokens > 0`` becomes
-                                   arrivals of that many prompt tokens at its ``ts_ns``
+                                   (and optionally ``output_tokens``, and ``zero_accept`` as
+                                   for ``requests=``), or a trace folder, where every record
+                                   with ``prefill_tokens > 0`` becomes arrivals of that many
+                                   prompt tokens at its ``ts_ns``
 ``preset:NAME``                    a spec stored in the deployment (``workload.presets``)
 =================================  ==========================================================
 
@@ -274,7 +275,7 @@ class Arrivals:
         self.issued = 0
         self.closed = int(spec.args[0]) if spec.kind == "closed" else 0
         self._next_t: int | None = None
-        self._replay: list[tuple[int, int, int | None]] = []
+        self._replay: list[tuple[int, int, int | None, bool | None]] = []
         self._replay_i = 0
         self._pending: list[Arrival] = []  # closed-loop arrivals due
         if spec.kind == "replay":
@@ -401,14 +402,15 @@ class Arrivals:
             return self._pending.pop(0)
         t = self._next_t
         assert t is not None
+        zero = self._zero()
         if self.spec.kind == "replay":
-            _, prompt, out = self._replay[self._replay_i]
+            _, prompt, out, replay_zero = self._replay[self._replay_i]
             self._replay_i += 1
             if out is None or self.spec.output_tokens is not None:
                 out = self._lengths(t)[1]
+            zero = zero if replay_zero is None else replay_zero
         else:
             prompt, out = self._lengths(t)
-        zero = self._zero()
         self.issued += 1
         shift = self.shift_at(t, prompt)
         self._advance(t)
@@ -450,6 +452,21 @@ def _read_csv(what: str, path: str, need: tuple[str, ...], columns: str) -> Any:
     return df
 
 
+def _zero_accept(row: Any, has_column: bool) -> bool | None:
+    """A CSV row's acceptance part (``requests=`` and ``replay:``): True for ``zero_accept`` 1
+    (a request the drafter cannot help, the fitted acceptance's zero part), False for 0 (the
+    other part), None where it is blank or there is no such column (the engine draws it).
+
+    Raises:
+        ValueError: any other value.
+    """
+    z = row.zero_accept if has_column else None
+    zero = None if z is None or (isinstance(z, float) and math.isnan(z)) else float(z)
+    if zero not in (None, 0.0, 1.0):
+        raise ValueError
+    return None if zero is None else zero == 1.0
+
+
 def load_requests(path: str) -> list[tuple[int, int, bool | None]]:
     """The requests of ``requests=PATH``, in order: [(prompt_tokens, output_tokens,
     zero_accept|None)].
@@ -463,44 +480,53 @@ def load_requests(path: str) -> list[tuple[int, int, bool | None]]:
     for i, r in enumerate(df.itertuples(index=False)):
         try:
             prompt, out = int(r.prompt_tokens), int(r.output_tokens)  # type: ignore[attr-defined]
-            z = r.zero_accept if has_zero else None  # type: ignore[attr-defined]
-            zero = None if z is None or (isinstance(z, float) and math.isnan(z)) else float(z)  # blank: drawn
-            if prompt < 1 or out < 1 or zero not in (None, 0.0, 1.0):
+            zero = _zero_accept(r, has_zero)
+            if prompt < 1 or out < 1:
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError(
                 f"requests {path}: row {i + 1} needs prompt_tokens, output_tokens >= 1 and zero_accept 0, 1 or blank"
             ) from None
-        rows.append((prompt, out, None if zero is None else zero == 1.0))
+        rows.append((prompt, out, zero))
     return rows
 
 
-def load_replay(path: str) -> list[tuple[int, int, int | None]]:
-    """Arrivals to replay: [(t_us from the first arrival, prompt_tokens, output_tokens|None)].
+def load_replay(path: str) -> list[tuple[int, int, int | None, bool | None]]:
+    """Arrivals to replay: [(t_us from the first arrival, prompt_tokens, output_tokens|None,
+    zero_accept|None)] (a trace folder's: no output length or acceptance part).
 
     Raises:
-        ConfigError: unreadable file, missing columns, or no arrivals; names the path.
+        ConfigError: unreadable file, missing columns, bad values, or no arrivals; names the path.
     """
     if os.path.isdir(path):
         from controller.traces import step_records
 
         recs = step_records(path)
-        out: list[tuple[int, int, int | None]] = []
+        out: list[tuple[int, int, int | None, bool | None]] = []
         for steps in recs.values():
             for s in steps:
                 if s.prefill_tokens > 0:
-                    out.append((s.ts_ns // 1000, s.prefill_tokens, None))
+                    out.append((s.ts_ns // 1000, s.prefill_tokens, None, None))
         if not out:
             raise ConfigError(f"replay {path}: no step records with prefill_tokens > 0 to replay")
         out.sort()
         t0 = out[0][0]
-        return [(t - t0, p, o) for t, p, o in out]
-    df = _read_csv("replay", path, ("arrival_s", "prompt_tokens"), "arrival_s, prompt_tokens[, output_tokens]")
+        return [(t - t0, p, o, z) for t, p, o, z in out]
+    columns = "arrival_s, prompt_tokens[, output_tokens, zero_accept]"
+    df = _read_csv("replay", path, ("arrival_s", "prompt_tokens"), columns)
     df = df.sort_values("arrival_s")
-    t0_s = float(df["arrival_s"].iloc[0])
-    has_out = "output_tokens" in df.columns
+    has_out, has_zero = "output_tokens" in df.columns, "zero_accept" in df.columns
     rows = []
-    for r in df.itertuples(index=False):
-        out_tok = int(r.output_tokens) if has_out else None  # type: ignore[attr-defined]
-        rows.append((int((float(r.arrival_s) - t0_s) * 1e6), max(int(r.prompt_tokens), 1), out_tok))
-    return rows
+    for r in df.itertuples():
+        try:
+            t_s, prompt = float(r.arrival_s), max(int(r.prompt_tokens), 1)  # type: ignore[attr-defined]
+            out_tok = int(r.output_tokens) if has_out else None  # type: ignore[attr-defined]
+            zero = _zero_accept(r, has_zero)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"replay {path}: row {int(r.Index) + 1} needs numbers arrival_s, prompt_tokens"
+                "[, output_tokens] and zero_accept 0, 1 or blank"
+            ) from None
+        rows.append((t_s, prompt, out_tok, zero))
+    t0_s = rows[0][0]
+    return [(int((t_s - t0_s) * 1e6), p, o, z) for t_s, p, o, z in rows]

@@ -244,6 +244,31 @@ def test_replay_csv(tmp_path):
         simulate(load_deployment("seed"), f"replay:{bad}", StaticPolicy(0, DEPTHS), depths=DEPTHS)
 
 
+def test_replay_csv_sets_each_requests_acceptance_part(tmp_path):
+    """``replay:PATH`` takes ``zero_accept`` as ``requests=`` does: at depth 3, arrivals in the
+    fitted acceptance's zero part (1) take about a step per token, the same arrivals in the
+    other part (0) far fewer; blank is drawn; any other value names the row."""
+    from env.workload import Arrivals
+
+    steps = {}
+    for zero in (0, 1):
+        f = tmp_path / f"zero{zero}.csv"
+        f.write_text("arrival_s,prompt_tokens,output_tokens,zero_accept\n" + f"0.0,128,400,{zero}\n" * 4)
+        run = simulate(load_deployment("seed"), f"replay:{f}", StaticPolicy(3, DEPTHS), depths=DEPTHS)
+        assert run.tokens == 1600
+        steps[zero] = run.steps
+    assert steps[1] > 0.9 * 400 and steps[0] < 0.7 * steps[1]  # four at once: 400 tokens each
+    blank = tmp_path / "blank.csv"
+    blank.write_text("arrival_s,prompt_tokens,output_tokens,zero_accept\n0.0,100,20,\n0.5,100,20,1\n0.7,100,20,0\n")
+    wp = load_deployment("seed").workload
+    arr = Arrivals(parse_workload(f"replay:{blank}"), wp, 0.8, np.random.default_rng(0))
+    assert [arr.pop()[4] for _ in range(3)] == [None, True, False]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrival_s,prompt_tokens,zero_accept\n0.0,100,0\n0.5,100,2\n")
+    with pytest.raises(ConfigError, match="bad.csv: row 2"):
+        simulate(load_deployment("seed"), f"replay:{bad}", StaticPolicy(0, DEPTHS), depths=DEPTHS)
+
+
 def test_closed_loop_sends_the_requests_of_a_file_in_order(tmp_path):
     """``requests=PATH``: each request's lengths from its row, in the order sent; ``zero_accept``
     puts it in the fitted acceptance's zero part (1) or the other (0); the loop stops after the
