@@ -41,6 +41,7 @@ import json
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,40 @@ def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
     return f"closed:{c}@prompt={prompt},output={out},n={max(4, per_conc * c)}"
 
 
+def at_share(params: Any, call: argparse.Namespace) -> Any:
+    """The fit with its population at the share of the call's mix in the zero-acceptance part,
+    for a replay that sets each request's part (``env.acceptance.with_zero_share``)."""
+    from env.acceptance import with_zero_share
+
+    if zero_share(call.mix) > 0.0:
+        # Each replayed request is in the zero part or not as its family says, so the fit's
+        # population is taken at that share (env.acceptance.with_zero_share): the fit alone
+        # put 0.29 of the H100 testbed's requests there, where a third are documents, and gave
+        # the rest too low an acceptance (drafting policies 5-10% slow at C = 1-4).
+        params = replace(params, acceptance=with_zero_share(params.acceptance, zero_share(call.mix)))
+    return params
+
+
+def policy_sim(policy: str) -> tuple[Callable[..., Any] | None, tuple[int, ...], dict[str, Any]]:
+    """How the simulator runs ``policy``: its factory (None: one it cannot run, e.g. a zip
+    that is not there), depths, and the server's latency overrides (:data:`SERVER_SIMS`)."""
+    from controller.errors import PolicyLoadError
+    from controller.registry import make_factory
+
+    spec, depths, server = SERVER_SIMS.get(policy, (policyswap.resolve(policy).spec, DEPTHS, {}))
+    try:
+        return make_factory(spec, depths), depths, server
+    except PolicyLoadError:
+        return None, depths, server
+
+
+def point_params(params: Any, hit: float, server: dict[str, Any]) -> Any:
+    """``params`` for one point: the radix cache's ``hit`` and the server's latency overrides."""
+    return replace(
+        params, engine=replace(params.engine, prefix_cache_hit=hit), latency=replace(params.latency, **server)
+    )
+
+
 ACTION_DELAY = 3
 """Steps between a record and the step that runs the decision made from it, on the H100
 testbed's hook server: the depth it ran followed 98-100% of the bundled and the retrained
@@ -179,32 +214,20 @@ def replay(
 ) -> list[tuple[str, int, list[float], float | None]]:
     """Each point's benchmark in the simulator: (policy, C, measured tok/s per repetition,
     simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule)."""
-    from controller.errors import PolicyLoadError
-    from controller.registry import make_factory
-    from env.acceptance import with_zero_share
     from env.runner import simulate
 
     call = call or call_args(None)
-    if exact and zero_share(call.mix) > 0.0:
-        # Each replayed request is in the zero part or not as its family says, so the fit's
-        # population is taken at that share (env.acceptance.with_zero_share): the fit alone
-        # put 0.29 of the H100 testbed's requests there, where a third are documents, and gave
-        # the rest too low an acceptance (drafting policies 5-10% slow at C = 1-4).
-        params = replace(params, acceptance=with_zero_share(params.acceptance, zero_share(call.mix)))
+    if exact:
+        params = at_share(params, call)
     out: list[tuple[str, int, list[float], float | None]] = []
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         for (workload, policy, c), reps in sorted(points.items()):
-            spec, depths, server = SERVER_SIMS.get(policy, (policyswap.resolve(policy).spec, DEPTHS, {}))
+            factory, depths, server = policy_sim(policy)
             label = f"{policy} [{workload.split('-')[-1]}]" if "~" in workload else policy
-            try:
-                factory = make_factory(spec, depths)
-            except PolicyLoadError:
+            if factory is None:
                 out.append((label, c, list(reps.values()), None))
                 continue
-            hit = point_hit(workload, c, per_conc, call, prefix_hit)
-            point = replace(
-                params, engine=replace(params.engine, prefix_cache_hit=hit), latency=replace(params.latency, **server)
-            )
+            point = point_params(params, point_hit(workload, c, per_conc, call, prefix_hit), server)
             if exact:  # the requests each repetition sent
                 loads = [point_load(workload, c, r, per_conc, call.mix) for r in sorted(reps)]
                 files = [write_requests(ld, Path(tmp) / f"{c}-{ld.seed}.csv") for ld in loads]
