@@ -577,6 +577,64 @@ def test_the_replay_sends_each_repetition_its_own_requests_and_cache_state(tmp_p
     assert warm is not None and cold is not None and cold < warm
 
 
+def test_the_replay_runs_the_open_trace_of_the_call(tmp_path: Path, capsys) -> None:
+    """realgpu_sim replays an open point on the trace the call sent (its ``--open-s`` and
+    ``--open-peak-rps``, from its point file): each request's arrival, output length and
+    family's acceptance part; tok/s and mean TPOT against the measured; beside the closed
+    points. A window that is not the call's is refused; ``--predict-open`` gives the same
+    numbers for the same trace without a CSV."""
+    import realgpu_sim
+
+    call = realgpu_sim.call_args(None)
+    call.open_s, call.open_peak_rps = 5.0, 10.0
+    spec = realgpu_sim.open_spec("open-shift-5s", call, 1)
+    assert spec == openloop.OpenSpec(duration_s=5.0, peak_rps=10.0, input_tokens=256, seed=0)
+    sent = openloop.arrivals(spec)
+    with realgpu_sim.write_arrivals(spec, tmp_path / "open.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(float(r["arrival_s"]), int(r["output_tokens"])) for r in rows] == [(a.t_s, a.output_tokens) for a in sent]
+    assert [r["zero_accept"] == "1" for r in rows] == [a.family == "docs" for a in sent]
+    assert {r["prompt_tokens"] for r in rows} == {"256"}
+
+    path = tmp_path / "summary.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(realgpu_report.FIELDS)
+        w.writerow(["closed-mix-256-128", 1, "static:0", 1, 145.0, 6.9, 7.0, 0])
+        for policy, rep, tok_s, tpot in [("plain", 1, 700.0, 6.5), ("plain", 2, 720.0, 6.7),
+                                         ("static:3", 1, 700.0, 5.0), ("gone.zip", 1, 700.0, 5.0)]:  # fmt: skip
+            w.writerow(["open-shift-5s", 0, policy, rep, tok_s, tpot, 9.0, 0])
+    points = tmp_path / "offswitch.json"
+    points.write_text(json.dumps({"args": {"open_s": 5.0, "open_peak_rps": 10.0}, "points": []}))
+    sim = ROOT / "bench" / "results" / "realgpu" / "h100" / "ppo-retrained" / "sim.json"
+    assert realgpu_sim.main(["--sim", str(sim), str(path), "--seeds", "1", "--call-args", str(points)]) == 0
+    out = capsys.readouterr().out
+    assert "| static:0 | 1 | 145 (145-145) |" in out  # the closed point, as before
+    opened = {r.split("|")[1].strip(): r.split("|")[3:9] for r in out.splitlines() if "| open-shift-5s |" in r}
+    assert set(opened) == {"plain", "static:3", "gone.zip"}
+    assert opened["plain"][0].strip() == "710 (700-720)" and opened["plain"][3].strip() == "6.60 (6.50-6.70)"
+    assert opened["gone.zip"][2].strip() == "not simulated"
+    tok_s = {p: float(opened[p][1]) for p in ("plain", "static:3")}
+    tpot = {p: float(opened[p][4]) for p in ("plain", "static:3")}
+    # Every request's tokens over the trace's span (from its start to a little after the last arrival).
+    tokens = sum(a.output_tokens for a in sent)
+    assert all(sent[-1].t_s < tokens / v < sent[-1].t_s + 3 for v in tok_s.values())
+    assert tpot["static:3"] < 0.9 * tpot["plain"]  # a trickle of chat and code: drafts pay
+    assert "2 open points: mean absolute error" in out
+
+    # No call arguments: realgpu.py's default window (180 s) is not this trace's.
+    assert realgpu_sim.main(["--sim", str(sim), str(path), "--seeds", "1"]) == 2
+    assert "--call-args" in capsys.readouterr().err
+    argv = ["--sim", str(sim), "--seeds", "1", "--predict-open", "static:3", "--open-s", "5", "--open-peak-rps", "10"]
+    assert realgpu_sim.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"open-shift-5s predicted: peak 10 requests/s, 256-token prompts, seed 0: {len(sent)} requests" in out
+    predicted = next(r for r in out.splitlines() if r.startswith("| static:3 |")).split("|")
+    assert (float(predicted[2]), float(predicted[3])) == (tok_s["static:3"], tpot["static:3"])
+    with pytest.raises(SystemExit):  # the trace's flags are for --predict-open
+        realgpu_sim.main(["--sim", str(sim), str(path), "--open-s", "5"])
+
+
 def test_drawn_output_lengths_are_the_simulators_distribution() -> None:
     """``loadgen`` (stdlib, on the device) and ``env.workload`` (``output=N~S``) draw output
     lengths from one distribution: log-normal around N, within the same bounds. Fixed lengths

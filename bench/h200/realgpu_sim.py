@@ -31,6 +31,18 @@ it is fitted to the measured time to first token of ``static:0`` at the smallest
 (``env.fit.fit_request_path``, as ``bench/sim_vs_real.py`` does). Prints one row per point and
 the mean and worst absolute error, apart for the hook server's policies (which the fit's step
 records are of) and for the servers of their own.
+
+Open points (``realgpu.py --stages open``, workload ``open-shift-{S}s``) replay the call's
+trace (``realgpu.open_spec`` from the call's ``--open-s``, ``--open-peak-rps``,
+``--input-tokens`` and ``--open-seed``: give its ``--call-args``) as a ``replay:`` file
+(:func:`write_arrivals`: each request's arrival, prompt and output length, and its family's
+acceptance part), cold (``realgpu.py`` sends no open prompt before it), each policy as a closed
+point's: throughput = output tokens / the time from the trace's start to the last completion,
+and the mean over requests of the time per output token, whose inverse (the per-request decode
+speed) is what the open stage scores; over an open trace the arrivals fix most of the throughput.
+``--predict-open POLICIES`` simulates a trace no call has run yet (``--open-s``,
+``--open-peak-rps``, ``--input-tokens``, ``--open-seed``; the rest from ``--call-args``, else
+``realgpu.py``'s defaults), with or without CSVs to replay.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ from controller.baselines import SGLANG_DEFAULT_ADAPTIVE_CONFIG  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen  # noqa: E402  (this folder's modules: the requests a point sends,
+import openloop  # noqa: E402  the open stage's trace,
 import policyswap  # noqa: E402  which zip each policy name serves,
 import realgpu  # noqa: E402  the call's rules (seeds, prewarm) and the hook server's depths,
 import realgpu_report  # noqa: E402  the calls' summary.csv,
@@ -88,6 +101,15 @@ def measured(paths: list[Path]) -> dict[tuple[str, str, int], dict[int, float]]:
     for row in realgpu_report.read_rows(paths):
         if row["workload"].startswith("closed"):
             out[(row["workload"], row["policy"], row["concurrency"])][row["rep"]] = row["tok_s"]
+    return dict(out)
+
+
+def measured_open(paths: list[Path]) -> dict[tuple[str, str], dict[int, tuple[float, float]]]:
+    """(workload, policy) → {repetition: (tok/s, mean TPOT ms)}, open points only."""
+    out: dict[tuple[str, str], dict[int, tuple[float, float]]] = defaultdict(dict)
+    for row in realgpu_report.read_rows(paths):
+        if row["workload"].startswith("open"):
+            out[(row["workload"], row["policy"])][row["rep"]] = (row["tok_s"], row["tpot_ms_mean"])
     return dict(out)
 
 
@@ -128,6 +150,33 @@ def write_requests(spec: loadgen.LoadSpec, path: Path) -> Path:
             zero = "" if not fam else int(in_zero_part(fam))
             w.writerow([spec.input_tokens, out, zero])
     return path
+
+
+def write_arrivals(spec: openloop.OpenSpec, path: Path) -> Path:
+    """``spec``'s trace as a ``replay:`` file: each request's arrival, lengths and family's
+    acceptance part (``zero_accept``, as :func:`write_requests` writes it)."""
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["arrival_s", "prompt_tokens", "output_tokens", "zero_accept"])
+        for a in openloop.arrivals(spec):
+            w.writerow([a.t_s, spec.input_tokens, a.output_tokens, int(in_zero_part(a.family))])
+    return path
+
+
+def open_spec(workload: str, call: argparse.Namespace, rep: int) -> openloop.OpenSpec:
+    """The trace ``realgpu.py`` sent for an open point (``open-shift-{S}s``) in repetition ``rep``.
+
+    Raises:
+        ValueError: the workload's arrival window is not the call's ``--open-s`` (the call's
+            arguments were not given, or not this call's).
+    """
+    spec = realgpu.open_spec(call, rep)
+    if workload != f"open-shift-{spec.duration_s:g}s":
+        raise ValueError(
+            f"{workload}: the call's arguments say --open-s {spec.duration_s:g}; give that call's "
+            "point file with --call-args (its --open-s, --open-peak-rps and --open-seed)"
+        )
+    return spec
 
 
 def measured_ttft(files: list[Path], policy: str = "static:0") -> tuple[str, dict[int, float]]:
@@ -243,12 +292,115 @@ def replay(
     return out
 
 
+def simulate_open(
+    params: Any,
+    policy: str,
+    traces: list[tuple[openloop.OpenSpec, Path]],
+    seeds: int,
+    action_delay: int = ACTION_DELAY,
+) -> tuple[float, float] | None:
+    """``policy`` over open traces in the simulator (``params`` as :func:`at_share` gave it):
+    (tok/s, mean TPOT ms), each the mean over the traces and ``--seeds``; None for a policy it
+    cannot run. ``traces``: each trace's spec and its :func:`write_arrivals` file."""
+    from env.runner import simulate
+
+    factory, depths, server = policy_sim(policy)
+    if factory is None:
+        return None
+    point = point_params(params, 0.0, server)  # cold: realgpu.py sends no open prompt before the trace
+    tok_s, tpot_ms = [], []
+    for spec, path in traces:
+        # The replay's clock starts at the first arrival, the measured wall time at the trace's start.
+        lead_s = openloop.arrivals(spec)[0].t_s
+        for seed in range(seeds):
+            run = simulate(
+                point, f"replay:{path}", factory(depths), depths=depths, seed=seed, action_delay=action_delay
+            )
+            tok_s.append(run.tokens / (run.duration_s + lead_s))
+            tpot_ms.append(run.tpot_ms_mean)
+    return float(np.mean(tok_s)), float(np.mean(tpot_ms))
+
+
+def replay_open(
+    params: Any,
+    points: dict[tuple[str, str], dict[int, tuple[float, float]]],
+    seeds: int,
+    *,
+    call: argparse.Namespace | None = None,
+    action_delay: int = ACTION_DELAY,
+) -> list[tuple[str, str, list[tuple[float, float]], tuple[float, float] | None]]:
+    """Each open point's trace in the simulator: (policy, workload, measured (tok/s, mean TPOT
+    ms) per repetition, simulated (tok/s, mean TPOT ms) or None for a policy it cannot run).
+
+    Raises:
+        ValueError: a workload whose arrival window is not the call's (:func:`open_spec`).
+    """
+    call = call or call_args(None)
+    params = at_share(params, call)
+    out: list[tuple[str, str, list[tuple[float, float]], tuple[float, float] | None]] = []
+    with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
+        files: dict[openloop.OpenSpec, Path] = {}
+        for (workload, policy), reps in sorted(points.items()):
+            specs = {open_spec(workload, call, r) for r in sorted(reps)}  # one trace for every repetition
+            for spec in specs - set(files):
+                files[spec] = write_arrivals(spec, Path(tmp) / f"open-{len(files)}.csv")
+            traces = [(spec, files[spec]) for spec in sorted(specs, key=repr)]
+            sim = simulate_open(params, policy, traces, seeds, action_delay)
+            out.append((policy, workload, [reps[r] for r in sorted(reps)], sim))
+    return out
+
+
+def predict_open(
+    params: Any,
+    policies: list[str],
+    spec: openloop.OpenSpec,
+    seeds: int,
+    *,
+    call: argparse.Namespace | None = None,
+    action_delay: int = ACTION_DELAY,
+) -> list[tuple[str, tuple[float, float] | None]]:
+    """Each policy over the open trace ``spec`` (no call has run it): (policy, simulated
+    (tok/s, mean TPOT ms) or None for a policy the simulator cannot run)."""
+    params = at_share(params, call or call_args(None))
+    with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
+        traces = [(spec, write_arrivals(spec, Path(tmp) / "open.csv"))]
+        return [(p, simulate_open(params, p, traces, seeds, action_delay)) for p in policies]
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """The mean (min-max) of a point's repetitions."""
+    return f"{np.mean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def print_open(
+    points: list[tuple[str, str, list[tuple[float, float]], tuple[float, float] | None]],
+) -> list[tuple[float, float]]:
+    """The open points' table; returns each simulated point's (tok/s error, mean TPOT error)."""
+    print("| policy | open trace | measured tok/s, mean (min-max) | simulated | error "
+          "| measured mean TPOT ms, mean (min-max) | simulated | error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    errors = []
+    for policy, workload, reps, sim in points:
+        tok, tpot = [r[0] for r in reps], [r[1] for r in reps]
+        if sim is None:
+            tok_cell, tpot_cell = _spread(tok, ".0f"), _spread(tpot, ".2f")
+            print(f"| {policy} | {workload} | {tok_cell} | - | not simulated | {tpot_cell} | - | |")
+            continue
+        err = (sim[0] / np.mean(tok) - 1.0, sim[1] / np.mean(tpot) - 1.0)
+        errors.append(err)
+        print(
+            f"| {policy} | {workload} | {_spread(tok, '.0f')} | {sim[0]:.0f} | {100 * err[0]:+.1f}% "
+            f"| {_spread(tpot, '.2f')} | {sim[1]:.2f} | {100 * err[1]:+.1f}% |"
+        )
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     from env.params import SimParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sim", type=Path, required=True, help="the fitted sim.json")
-    ap.add_argument("csv", type=Path, nargs="+", help="realgpu summary.csv files (or the call folders)")
+    ap.add_argument("csv", type=Path, nargs="*", help="realgpu summary.csv files (or the call folders)")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument(
         "--prefix-hit", type=float, default=0.99,
@@ -276,7 +428,33 @@ def main(argv: list[str] | None = None) -> int:
         "--ttft-points", type=Path, action="append", default=[],
         help="a call's point file (offswitch.json; repeatable): fit the request path to static:0's measured TTFTs",
     )  # fmt: skip
+    ap.add_argument(
+        "--predict-open", type=lambda s: [p for p in s.split(",") if p], default=None, metavar="POLICIES",
+        help="simulate the open stage's trace for these policies (comma list), with no measured CSV",
+    )  # fmt: skip
+    defaults = realgpu.build_parser()
+    for flag, kind in (
+        ("--open-s", float),
+        ("--open-peak-rps", float),
+        ("--input-tokens", int),
+        ("--open-seed", int),
+    ):
+        dest = flag[2:].replace("-", "_")
+        default = defaults.get_default(dest)
+        ap.add_argument(
+            flag, type=kind, default=None,
+            help=f"with --predict-open: realgpu.py's {flag} (default: --call-args', else {default})",
+        )  # fmt: skip
     args = ap.parse_args(argv)
+    trace_flags = {k: getattr(args, k) for k in ("open_s", "open_peak_rps", "input_tokens", "open_seed")}
+    if not args.csv and not args.predict_open:
+        ap.error("give realgpu summary.csv files to replay, or --predict-open POLICIES")
+    if args.predict_open is not None and not args.predict_open:
+        ap.error("--predict-open: name at least one policy")
+    if args.predict_open is None and any(v is not None for v in trace_flags.values()):
+        ap.error("--open-s, --open-peak-rps, --input-tokens and --open-seed are for --predict-open")
+    if args.predict_open and len(args.call_args) > 1:
+        ap.error("--predict-open takes one call's arguments: give at most one --call-args")
     if args.requests_per_conc is not None and args.requests_per_conc < 1:
         ap.error("--requests-per-conc must be at least 1")
     if len(args.call_args) not in (0, 1, len(args.csv)):
@@ -320,13 +498,26 @@ def main(argv: list[str] | None = None) -> int:
             f"+ {e.request_serial_us / 1000:.2f} ms per request\n"
         )
     errors: dict[bool, list[float]] = {False: [], True: []}  # by: is the point a server of its own
-    for call, paths in groups:
+    open_errors: list[tuple[float, float]] = []  # (tok/s, mean TPOT) per open point
+    for call, paths in groups if args.csv else []:
         if len(groups) > 1:
             print(f"\n{', '.join(p.name for p in paths)}\n")
+        closed, opened = measured(paths), measured_open(paths)
+        if opened:
+            try:
+                open_points = replay_open(
+                    params, opened, args.seeds, call=call, action_delay=args.action_delay
+                )
+            except ValueError as e:
+                print(f"realgpu_sim: {e}", file=sys.stderr)
+                return 2
+            if not closed:  # the open points alone
+                open_errors += print_open(open_points)
+                continue
         print("| policy | C | measured tok/s, mean (min-max) | simulated | error |")
         print("|---|---|---|---|---|")
         points = replay(
-            params, measured(paths), args.seeds, args.requests_per_conc or int(call.requests_per_conc),
+            params, closed, args.seeds, args.requests_per_conc or int(call.requests_per_conc),
             exact=args.draws == "exact", call=call, prefix_hit=args.prefix_hit, action_delay=args.action_delay,
         )  # fmt: skip
         for policy, c, reps, sim in points:
@@ -338,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {policy} | {c} | {real:.0f} ({min(reps):.0f}-{max(reps):.0f}) | {sim:.0f} | {100 * (sim / real - 1):+.1f}% |"
             )
+        if opened:
+            print()
+            open_errors += print_open(open_points)
     # The fit is of the hook server's step records: its policies are what it predicts; the
     # servers of their own (no step record of theirs in the fit) are a separate question.
     for own, what in ((False, "the hook server's policies"), (True, "the servers of their own (plain, SGLang's rule)")):
@@ -348,6 +542,38 @@ def main(argv: list[str] | None = None) -> int:
     if errors[False] and errors[True]:
         err = np.abs(np.array(errors[False] + errors[True]))
         print(f"\nall {len(err)} points: mean absolute error {100 * err.mean():.1f}%")
+    if open_errors:
+        err = np.abs(np.array(open_errors))
+        worst = open_errors[int(np.argmax(err[:, 1]))][1]
+        print(
+            f"\n{len(err)} open points: mean absolute error {100 * err[:, 0].mean():.1f}% on tok/s, "
+            f"{100 * err[:, 1].mean():.1f}% on mean TPOT (worst {100 * worst:+.1f}%)"
+        )
+    if args.predict_open:  # one call's arguments at most (checked above)
+        call = groups[0][0]
+        for k, v in trace_flags.items():
+            if v is not None:
+                setattr(call, k, v)
+        spec = realgpu.open_spec(call, 1)  # the trace does not depend on the repetition
+        arrivals = openloop.arrivals(spec)
+        tokens = sum(a.output_tokens for a in arrivals)
+        print(
+            f"\nopen-shift-{spec.duration_s:g}s predicted: peak {spec.peak_rps:g} requests/s, "
+            f"{spec.input_tokens}-token prompts, seed {spec.seed}: {len(arrivals)} requests, "
+            f"{tokens} output tokens\n"
+        )
+        print(
+            "| policy | simulated tok/s | simulated mean TPOT ms | decode tok/s per request (1000 / TPOT) |"
+        )
+        print("|---|---|---|---|")
+        predicted = predict_open(
+            params, args.predict_open, spec, args.seeds, call=call, action_delay=args.action_delay
+        )
+        for policy, sim in predicted:
+            if sim is None:
+                print(f"| {policy} | - | - | not simulated |")
+            else:
+                print(f"| {policy} | {sim[0]:.0f} | {sim[1]:.2f} | {1000 / sim[1]:.1f} |")
     return 0
 
 
