@@ -539,6 +539,27 @@ def test_the_replay_takes_the_fit_at_the_calls_share_of_documents() -> None:
     assert sim is not None and abs(sim / measured - 1) < 0.05
 
 
+def test_the_replay_runs_each_call_with_its_own_kv_cap() -> None:
+    """``--max-total-tokens`` caps each server's pool, whatever budget the fit read off its
+    traces: the replay admits against the call's cap (the speculating server holds that many
+    tokens), so a cap that binds slows the same point."""
+    import realgpu_sim
+
+    from env.params import SimParams
+
+    drawn = ROOT / "bench" / "results" / "realgpu" / "h100" / "drawn"
+    params = SimParams.from_dict(json.loads((drawn / "fit-mn.json").read_text()))
+    call = realgpu_sim.call_args(drawn / "points-drawn-m.json")
+    for cap in (49_152, 131_072):
+        call.max_total_tokens = cap
+        assert realgpu_sim.at_cap(params, call).engine.spec_kv_budget_tokens == cap
+    point = {("closed-mix-256-128~0.7", "static:0", 16): {1: 1.0}}
+    roomy = realgpu_sim.replay(params, point, 2, 2, call=call)[0][3]
+    call.max_total_tokens = 2_000  # about three requests of 256 + up to 512 tokens at a time
+    tight = realgpu_sim.replay(params, point, 2, 2, call=call)[0][3]
+    assert roomy is not None and tight is not None and tight < 0.5 * roomy
+
+
 def test_the_replay_sends_each_repetition_its_own_requests_and_cache_state(tmp_path: Path) -> None:
     """realgpu_sim replays the requests realgpu.py sent (the point's seed in that repetition:
     output lengths and families, ``docs`` as the fit's zero-acceptance part), and a point whose

@@ -223,6 +223,15 @@ def at_share(params: Any, call: argparse.Namespace) -> Any:
     return params
 
 
+def at_cap(params: Any, call: argparse.Namespace) -> Any:
+    """The fit with the call's KV cap: ``--max-total-tokens`` caps each server's target pool
+    (the drafter's KV sits in a pool of its own), so the speculating server holds that many
+    tokens, as plain does; the fit's budget is the median of the traces it read, whatever
+    their calls' caps were."""
+    engine = params.engine
+    return replace(params, engine=replace(engine, kv_budget_tokens=engine.plain_budget_for(call.max_total_tokens)))
+
+
 def policy_sim(policy: str) -> tuple[Callable[..., Any] | None, tuple[int, ...], dict[str, Any]]:
     """How the simulator runs ``policy``: its factory (None: one it cannot run, e.g. a zip
     that is not there), depths, and the server's latency overrides (:data:`SERVER_SIMS`)."""
@@ -266,6 +275,7 @@ def replay(
     from env.runner import simulate
 
     call = call or call_args(None)
+    params = at_cap(params, call)
     if exact:
         params = at_share(params, call)
     out: list[tuple[str, int, list[float], float | None]] = []
@@ -336,7 +346,7 @@ def replay_open(
         ValueError: a workload whose arrival window is not the call's (:func:`open_spec`).
     """
     call = call or call_args(None)
-    params = at_share(params, call)
+    params = at_share(at_cap(params, call), call)
     out: list[tuple[str, str, list[tuple[float, float]], tuple[float, float] | None]] = []
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         files: dict[openloop.OpenSpec, Path] = {}
@@ -361,7 +371,8 @@ def predict_open(
 ) -> list[tuple[str, tuple[float, float] | None]]:
     """Each policy over the open trace ``spec`` (no call has run it): (policy, simulated
     (tok/s, mean TPOT ms) or None for a policy the simulator cannot run)."""
-    params = at_share(params, call or call_args(None))
+    call = call or call_args(None)
+    params = at_share(at_cap(params, call), call)
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         traces = [(spec, write_arrivals(spec, Path(tmp) / "open.csv"))]
         return [(p, simulate_open(params, p, traces, seeds, action_delay)) for p in policies]
@@ -438,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--open-peak-rps", float),
         ("--input-tokens", int),
         ("--open-seed", int),
+        ("--max-total-tokens", int),
     ):
         dest = flag[2:].replace("-", "_")
         default = defaults.get_default(dest)
@@ -446,13 +458,15 @@ def main(argv: list[str] | None = None) -> int:
             help=f"with --predict-open: realgpu.py's {flag} (default: --call-args', else {default})",
         )  # fmt: skip
     args = ap.parse_args(argv)
-    trace_flags = {k: getattr(args, k) for k in ("open_s", "open_peak_rps", "input_tokens", "open_seed")}
+    trace_flags = {
+        k: getattr(args, k) for k in ("open_s", "open_peak_rps", "input_tokens", "open_seed", "max_total_tokens")
+    }
     if not args.csv and not args.predict_open:
         ap.error("give realgpu summary.csv files to replay, or --predict-open POLICIES")
     if args.predict_open is not None and not args.predict_open:
         ap.error("--predict-open: name at least one policy")
     if args.predict_open is None and any(v is not None for v in trace_flags.values()):
-        ap.error("--open-s, --open-peak-rps, --input-tokens and --open-seed are for --predict-open")
+        ap.error("--open-s, --open-peak-rps, --input-tokens, --open-seed and --max-total-tokens are for --predict-open")
     if args.predict_open and len(args.call_args) > 1:
         ap.error("--predict-open takes one call's arguments: give at most one --call-args")
     if args.requests_per_conc is not None and args.requests_per_conc < 1:
