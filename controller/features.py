@@ -68,12 +68,24 @@ T = TypeVar("T")
 # traces, one request admitted: median 31 ms over a decode step there, 5 ms in the counting
 # record; bench/admission_latency_table.py), so the table takes a record only once the next
 # one is known: one record late.
+# 6: a folded acceptance estimate, tried on the H100 testbed (calls V and W) and not kept; the
+# number stays unused so that its zips cannot be served with another definition.
+# 7: a drafted record right after a depth-0 one is not acceptance evidence, and evidence aged
+# while nothing was drafted stays aged. With the hook's off switch the first drafted step after
+# depth 0 proposes from a stale hidden state and accepts nothing (0 of 628 first draft tokens
+# on the H100 testbed, 0.38 elsewhere): counted, each probe read as a bad drafter, and in the
+# simulator with that loss and a one-step decision delay goodput and PPO stopped drafting at
+# 4-16 requests, where depth 3 ran 2x depth 0. And where a policy resumed after a long run at
+# depth 0, the estimate it had read there (aged toward the prior) jumped back to the old
+# counts at the first drafted step: the drafter it had stopped trusting was judged again by the
+# evidence that made it stop.
 FEATURIZER_VERSION = 5
 # Versions whose policies this Featurizer still serves: a user's zip keeps working after an
-# upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2)
-# and in which steps the latency table takes (every step, versions 2-3; not an admitting one,
-# version 4; nor the one before it, version 5).
-SUPPORTED_VERSIONS = (2, 3, 4, 5)
+# upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2),
+# in which steps the latency table takes (every step, versions 2-3; not an admitting one,
+# version 4; nor the one before it, version 5 on), and in which drafted steps are acceptance
+# evidence and how aged evidence returns (version 7).
+SUPPORTED_VERSIONS = (2, 3, 4, 5, 7)
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
 N_BS_BUCKETS = 10
@@ -100,10 +112,12 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 # steps that admitted requests stay out of the latency table, _LAT_LAG: 1 when a record enters
 # it only with the next one (and not when that one admits); all three set by the version.
 # _PEND_*: the record waiting for its successor (version 5): its depth index (-1: none), the
-# start of its latency row, its step_us, its step index.
+# start of its latency row, its step_us, its step index. _RESUME: 1 when a drafted record right
+# after a depth-0 one is not evidence and aged evidence stays aged (version 7); _PREV_DEPTH: the
+# previous record's depth (-1: none).
 (_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE,
- _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T) = range(16)  # fmt: skip
-_HEAD = 16
+ _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T, _RESUME, _PREV_DEPTH) = range(18)  # fmt: skip
+_HEAD = 18
 _NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
 
 
@@ -193,6 +207,8 @@ class Featurizer:
         st[_LAT_DECODE_ONLY] = 1.0 if self.version >= 4 else 0.0
         st[_LAT_LAG] = 1.0 if self.version >= 5 else 0.0
         st[_PEND_DI] = -1.0
+        st[_RESUME] = 1.0 if self.version >= 7 else 0.0
+        st[_PREV_DEPTH] = -1.0
         st[ratio] = 1.0
         st[seen:] = _NEVER
         self._state = st
@@ -423,14 +439,21 @@ def _fold(
         b = N_BS_BUCKETS - 1
     o_row = o_lat + b * n
 
-    if depth > 0 and len(accept) > 0:
+    # Version 7: the first drafted record after a depth-0 one proposed from a stale state
+    # (the off switch's resume): not evidence of the drafter, as if nothing had been drafted.
+    resumed = st[_RESUME] != 0.0 and st[_PREV_DEPTH] == 0.0
+    st[_PREV_DEPTH] = float(depth)
+    if depth > 0 and len(accept) > 0 and not resumed:
         if depth > k:
             raise ValueError("a speculative record deeper than the deepest allowed depth")
         # A request that accepted a of d drafts reached positions 1..min(a+1, d) and accepted
-        # 1..a. Decay per speculative step, so "recent" means recent batches.
+        # 1..a. Decay per speculative step, so "recent" means recent batches; version 7 also
+        # keeps the ageing of the steps without drafting (the estimate read there).
+        age = t - 1.0 - st[_LAST_SPEC]
+        keep = ACCEPT_DECAY * (STALE_DECAY**age if st[_RESUME] != 0.0 and age > 0.0 else 1.0)
         for i in range(1, k + 1):
-            st[o_acc + i] *= ACCEPT_DECAY
-            st[o_tried + i] *= ACCEPT_DECAY
+            st[o_acc + i] *= keep
+            st[o_tried + i] *= keep
         count = np.zeros(depth + 1, dtype=np.int64)
         total = 0
         for a in accept:

@@ -219,6 +219,51 @@ def test_acceptance_evidence_ages_back_to_the_prior_while_nothing_is_drafted() -
     assert f.accept_prob(1) == (acc + PRIOR_ACCEPT * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
 
+def test_version_7_takes_no_evidence_from_the_first_drafted_step_after_depth_0() -> None:
+    """The off switch's resume proposes from a stale state and accepts nothing: version 7 reads
+    that step as no evidence (counts, trend and staleness as at depth 0), version 5 as a bad
+    drafter; the drafted steps after it count in both."""
+    v5, v7, off = Featurizer(DEPTHS, 5), Featurizer(DEPTHS, 7), Featurizer(DEPTHS, 7)
+    for f in (v5, v7, off):
+        for seq in range(20):
+            f.update(step(seq, 3, [3] * 8, bs=8))
+        f.update(step(20, 0, [], bs=8))
+    before = v7.accept_prob(1), v7._acc[1], v7._tried[1]
+    o5, o7 = v5.update(step(21, 3, [0] * 8, bs=8)), v7.update(step(21, 3, [0] * 8, bs=8))
+    off.update(step(21, 0, [], bs=8))  # what a second step at depth 0 would leave
+    assert (v7._acc[1], v7._tried[1]) == before[1:]
+    assert v7.accept_prob(1) == off.accept_prob(1) > before[0] - 0.001
+    assert v5.accept_prob(1) < before[0] - 0.05
+    stale = v7.feature_names.index("spec_staleness")
+    assert o7[stale] > 0.0 and o5[stale] == 0.0  # nothing drafted as far as version 7 reads
+    # The next drafted step is evidence again, in both (a run at depth > 0 is no resume).
+    for f, aged in ((v5, 1.0), (v7, STALE_DECAY**2)):  # version 7: the two steps without evidence
+        acc = f._acc[1]
+        f.update(step(22, 3, [0] * 8, bs=8))
+        assert f._acc[1] == pytest.approx(acc * ACCEPT_DECAY * aged)
+    assert v7.accept_prob(1) < before[0]
+
+
+def test_version_7_keeps_aged_evidence_aged_when_drafting_resumes() -> None:
+    """After a bad stretch and 200 steps at depth 0 the estimate has aged back toward the prior;
+    drafting again, version 5 restores the old counts at full weight (a good drafter is judged
+    by the evidence that made the policy stop), version 7 keeps them aged."""
+    v5, v7 = Featurizer(DEPTHS, 5), Featurizer(DEPTHS, 7)
+    for f in (v5, v7):
+        for seq in range(30):
+            f.update(step(seq, 3, [0] * 8, bs=8))
+        for seq in range(30, 230):
+            f.update(step(seq, 0, [], bs=8))
+        f.update(step(230, 3, [3] * 8, bs=8))  # the resume: evidence for version 5 only
+        f.update(step(231, 3, [3] * 8, bs=8))
+    assert v5.accept_prob(1) < 0.3  # 30 bad batches outweigh two good ones again
+    assert v7.accept_prob(1) > 0.9  # the aged ones hardly count
+    # Versions 5 and 7 read a stream without depth 0 identically.
+    a, b = Featurizer(DEPTHS, 5), Featurizer(DEPTHS, 7)
+    for s in random_stream(300, seed=4, depths=(1, 2, 3, 5)):
+        assert np.array_equal(a.update(s), b.update(s))
+
+
 @pytest.mark.parametrize("true_p", [0.3, 0.8])
 def test_acceptance_converges_to_the_true_conditional_rate(true_p: float) -> None:
     # Each draft position accepted with probability true_p given the earlier ones were: the
