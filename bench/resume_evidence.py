@@ -1,0 +1,108 @@
+"""What the off switch's resume does to policies that learn acceptance from the step records.
+
+Run: ``python bench/resume_evidence.py [--deployment h200-llama8b] [--seeds 5] [--conc 4,16,64]``
+(about 30 s on two cores).
+
+With the hook's off switch (``--spec-off-draft kv``) the first drafted step after a depth-0 step
+proposes from a stale hidden state and accepts nothing: 0 of the first draft tokens of 628 such
+steps on the H100 testbed, against 0.38 on the other drafted steps
+(``docs/simulator.md``). The bundled deployments do not model that loss; fits of the testbed's
+traces do (``env.acceptance.with_resume_loss``). A policy that reads those zeros as evidence
+sees every probe fail. The table runs one deployment as bundled and again with the loss, with
+the decision applied one step after its record (the simulator's default) and three (what the
+hook measured on the H100 testbed, ``bench/h200/decision_delay.py``), closed loop at each C:
+
+- ``static:0`` and ``static:3`` (no evidence read);
+- ``goodput`` on Featurizer version 5 (today's default) and version 7 (a resume is not
+  evidence, and evidence aged at depth 0 stays aged: ``controller/features.py``);
+- the deployment's bundled PPO zip (served with the version it was trained on).
+
+Throughput in tokens/s, mean over ``--seeds`` engine seeds, and each policy over the better of
+the two static depths in the same world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from controller.protocol import DEFAULT_DEPTHS  # noqa: E402
+from controller.registry import make_factory  # noqa: E402
+from env.acceptance import with_resume_loss  # noqa: E402
+from env.deployments import deployment_path, load_deployment  # noqa: E402
+from env.runner import simulate  # noqa: E402
+
+
+def policies(deployment: str) -> list[tuple[str, str, int | None]]:
+    """(label, policy spec, Featurizer version or None for the policy's own)."""
+    zip_path = ROOT / "agents" / "bundled" / deployment / "ppo.zip"
+    return [
+        ("static:0", "builtin:static:0", None),
+        ("static:3", "builtin:static:3", None),
+        ("goodput v5", "builtin:goodput", 5),
+        ("goodput v7", "builtin:goodput", 7),
+        ("ppo (bundled)", str(zip_path), None),
+    ]
+
+
+def run(params: Any, spec: str, version: int | None, c: int, delay: int, seeds: int) -> float:
+    """Mean closed-loop throughput of one policy at C over ``seeds`` engine seeds."""
+    depths = DEFAULT_DEPTHS
+    factory = make_factory(spec, depths)
+    out = []
+    for seed in range(seeds):
+        policy = factory(depths)
+        if version is not None:  # a builtin reads the Featurizer version it is given
+            policy.featurizer_version = version
+        workload = f"closed:{c}@n={max(16, 8 * c)}"
+        out.append(
+            simulate(params, workload, policy, depths=depths, seed=seed, action_delay=delay).throughput_tok_s
+        )
+    return float(np.mean(out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deployment", default="h200-llama8b", help="a bundled deployment")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--conc", default="4,16,64", help="closed-loop concurrencies, comma list")
+    ap.add_argument("--delays", default="1,3", help="decision delays in steps, comma list")
+    args = ap.parse_args(argv)
+    if not deployment_path(args.deployment).is_file():
+        ap.error(f"no bundled deployment {args.deployment!r}")
+    try:
+        concs = [int(x) for x in args.conc.split(",")]
+        delays = [int(x) for x in args.delays.split(",")]
+    except ValueError:
+        ap.error("--conc and --delays take comma lists of integers")
+    if args.seeds < 1 or min(concs) < 1 or min(delays) < 1:
+        ap.error("--seeds, --conc and --delays must be at least 1")
+    base = load_deployment(args.deployment)
+    worlds = [
+        ("as bundled", base),
+        ("resume loses its drafts", replace(base, acceptance=with_resume_loss(base.acceptance))),
+    ]
+    pols = policies(args.deployment)
+    print(f"{args.deployment}, {args.seeds} seeds; tok/s (÷ the better of static:0 and static:3)\n")
+    print("| world | delay | C | " + " | ".join(label for label, _, _ in pols) + " |")
+    print("|---|---|---|" + "---|" * len(pols))
+    for world, params in worlds:
+        for delay in delays:
+            for c in concs:
+                tok = [run(params, spec, version, c, delay, args.seeds) for _, spec, version in pols]
+                best = max(tok[0], tok[1])
+                cells = [f"{v:,.0f} ({v / best:.3f})" for v in tok]
+                print(f"| {world} | {delay} | {c} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
