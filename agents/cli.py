@@ -92,6 +92,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="with --traces: what the traced server's drafter did at depth 0 (its --spec-off-draft; "
         "kv is the hook's default), so the fit reads its depth-0 steps right (default: the base deployment's, kv; the committed example traces ran keep)",
     )
+    t.add_argument(
+        "--featurizer-version",
+        type=int,
+        default=None,
+        help="the observation's definition (default: the current one, FEATURIZER_VERSION in "
+        "controller/features.py): 7 does not read the first drafted step after depth 0 as acceptance "
+        "evidence (the off switch's resume loses its drafts; bench/resume_evidence.py compares)",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train)
 

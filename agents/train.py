@@ -45,7 +45,7 @@ import gymnasium as gym
 import numpy as np
 
 from controller.errors import ConfigError
-from controller.features import SPEC_STALENESS_STEPS
+from controller.features import FEATURIZER_VERSION, SPEC_STALENESS_STEPS, SUPPORTED_VERSIONS
 from controller.protocol import DEFAULT_DEPTHS
 
 MAX_DELAY = 8
@@ -95,6 +95,8 @@ class TrainConfig:
             whatever the traces it was fitted to showed.
         episode_steps: decode steps per episode.
         delay: overlap-scheduling action delay range (inclusive).
+        featurizer_version: the observation's definition the policy is trained on and served
+            with (``controller.features``).
         n_workloads: size of the per-episode workload pool drawn at start.
         bc_rounds: DAgger rounds of the warm start (0 = plain PPO from scratch).
         bc_states: states collected per round.
@@ -156,6 +158,7 @@ class TrainConfig:
     drafter_mix: float = 0.3
     episode_steps: int = 1024
     delay: tuple[int, int] = (1, 2)
+    featurizer_version: int = FEATURIZER_VERSION
     n_workloads: int = 400
     bc_rounds: int = 3
     bc_states: int = 40_000
@@ -203,6 +206,12 @@ class TrainConfig:
                 cfg = replace(cfg, **{name: value})
         if getattr(args, "delay", None) is not None:
             cfg = replace(cfg, delay=parse_delay(args.delay))
+        if getattr(args, "featurizer_version", None) is not None:
+            cfg = replace(cfg, featurizer_version=args.featurizer_version)
+        if cfg.featurizer_version not in SUPPORTED_VERSIONS:
+            raise ConfigError(
+                f"--featurizer-version {cfg.featurizer_version}: this controller serves {list(SUPPORTED_VERSIONS)}"
+            )
         if args.timesteps is not None:
             cfg = replace(cfg, timesteps=args.timesteps)
         if args.n_envs is not None:
@@ -729,6 +738,7 @@ def make_env(params: Any, workloads: list[str], cfg: TrainConfig, table: np.ndar
         randomize=cfg.randomize,
         drafter_mix=cfg.drafter_mix,
         episode_steps=cfg.episode_steps,
+        featurizer_version=cfg.featurizer_version,
     )
     wrapped: gym.Env = ModelFeatures(env, table) if table is not None else env
     return RegretReward(
@@ -774,7 +784,7 @@ class ProbeRule:
 
         if cfg.bc_probe_depth not in cfg.depths[1:]:
             raise ConfigError(f"bc_probe_depth {cfg.bc_probe_depth} is not a drafting depth of {list(cfg.depths)}")
-        names = Featurizer(cfg.depths).feature_names
+        names = Featurizer(cfg.depths, cfg.featurizer_version).feature_names
         return cls(
             names.index("spec_staleness"),
             names.index("accept_trend"),
@@ -1016,7 +1026,10 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         "slo_credit": cfg.slo_credit,
         "warm_start_rounds": cfg.bc_rounds,
     }
-    meta = meta_for(cfg.depths, cfg.net_arch, "tanh", 1, extra, model_table=table, objective=cfg.objective)
+    meta = meta_for(
+        cfg.depths, cfg.net_arch, "tanh", 1, extra, model_table=table, objective=cfg.objective,
+        featurizer_version=cfg.featurizer_version,
+    )  # fmt: skip
     if cfg.bc_rounds > 0:
         bc_envs = [make_env(params, workloads, cfg, table) for _ in range(4)]
         bc_history = warm_start(model, bc_envs, cfg, rng, log)

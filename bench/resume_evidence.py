@@ -1,7 +1,7 @@
 """What the off switch's resume does to policies that learn acceptance from the step records.
 
-Run: ``python bench/resume_evidence.py [--deployment h200-llama8b] [--seeds 5] [--conc 4,16,64]``
-(about 30 s on two cores).
+Run: ``python bench/resume_evidence.py [--deployment h200-llama8b] [--seeds 5] [--conc 4,16,64]
+[--policy LABEL=ZIP ...]`` (about 10 s on two cores, more with each zip).
 
 With the hook's off switch (``--spec-off-draft kv``) the first drafted step after a depth-0 step
 proposes from a stale hidden state and accepts nothing: 0 of the first draft tokens of 628 such
@@ -13,9 +13,10 @@ the decision applied one step after its record (the simulator's default) and thr
 hook measured on the H100 testbed, ``bench/h200/decision_delay.py``), closed loop at each C:
 
 - ``static:0`` and ``static:3`` (no evidence read);
-- ``goodput`` on Featurizer version 5 (today's default) and version 7 (a resume is not
-  evidence, and evidence aged at depth 0 stays aged: ``controller/features.py``);
-- the deployment's bundled PPO zip (served with the version it was trained on).
+- ``goodput`` on Featurizer version 5 (today's default) and version 7 (the first drafted
+  record after a depth-0 one is not evidence: ``controller/features.py``);
+- the deployment's bundled PPO zip (served with the version it was trained on), and any zip
+  given with ``--policy`` (``controller train --featurizer-version 7`` trains one on version 7).
 
 Throughput in tokens/s, mean over ``--seeds`` engine seeds, and each policy over the better of
 the two static depths in the same world.
@@ -41,8 +42,9 @@ from env.deployments import deployment_path, load_deployment  # noqa: E402
 from env.runner import simulate  # noqa: E402
 
 
-def policies(deployment: str) -> list[tuple[str, str, int | None]]:
-    """(label, policy spec, Featurizer version or None for the policy's own)."""
+def policies(deployment: str, extra: list[str]) -> list[tuple[str, str, int | None]]:
+    """(label, policy spec, Featurizer version or None for the policy's own); ``extra``:
+    ``LABEL=ZIP`` entries to run as well."""
     zip_path = ROOT / "agents" / "bundled" / deployment / "ppo.zip"
     return [
         ("static:0", "builtin:static:0", None),
@@ -50,7 +52,7 @@ def policies(deployment: str) -> list[tuple[str, str, int | None]]:
         ("goodput v5", "builtin:goodput", 5),
         ("goodput v7", "builtin:goodput", 7),
         ("ppo (bundled)", str(zip_path), None),
-    ]
+    ] + [(e.partition("=")[0], e.partition("=")[2], None) for e in extra]
 
 
 def run(params: Any, spec: str, version: int | None, c: int, delay: int, seeds: int) -> float:
@@ -75,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--conc", default="4,16,64", help="closed-loop concurrencies, comma list")
     ap.add_argument("--delays", default="1,3", help="decision delays in steps, comma list")
+    ap.add_argument("--policy", action="append", default=[], metavar="LABEL=ZIP", help="a PPO zip to run as well")
     args = ap.parse_args(argv)
+    bad = [e for e in args.policy if "=" not in e or not Path(e.partition("=")[2]).is_file()]
+    if bad:
+        ap.error(f"--policy takes LABEL=ZIP with an existing zip: {', '.join(bad)}")
     if not deployment_path(args.deployment).is_file():
         ap.error(f"no bundled deployment {args.deployment!r}")
     try:
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         ("as bundled", base),
         ("resume loses its drafts", replace(base, acceptance=with_resume_loss(base.acceptance))),
     ]
-    pols = policies(args.deployment)
+    pols = policies(args.deployment, args.policy)
     print(f"{args.deployment}, {args.seeds} seeds; tok/s (÷ the better of static:0 and static:3)\n")
     print("| world | delay | C | " + " | ".join(label for label, _, _ in pols) + " |")
     print("|---|---|---|" + "---|" * len(pols))

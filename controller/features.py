@@ -70,21 +70,20 @@ T = TypeVar("T")
 # one is known: one record late.
 # 6: a folded acceptance estimate, tried on the H100 testbed (calls V and W) and not kept; the
 # number stays unused so that its zips cannot be served with another definition.
-# 7: a drafted record right after a depth-0 one is not acceptance evidence, and evidence aged
-# while nothing was drafted stays aged. With the hook's off switch the first drafted step after
-# depth 0 proposes from a stale hidden state and accepts nothing (0 of 628 first draft tokens
-# on the H100 testbed, 0.38 elsewhere): counted, each probe read as a bad drafter, and in the
-# simulator with that loss and a one-step decision delay goodput and PPO stopped drafting at
-# 4-16 requests, where depth 3 ran 2x depth 0. And where a policy resumed after a long run at
-# depth 0, the estimate it had read there (aged toward the prior) jumped back to the old
-# counts at the first drafted step: the drafter it had stopped trusting was judged again by the
-# evidence that made it stop.
+# 7: a drafted record right after a depth-0 one is not acceptance evidence. With the hook's
+# off switch the first drafted step after depth 0 proposes from a stale hidden state and
+# accepts nothing (0 of 628 first draft tokens on the H100 testbed, 0.38 elsewhere): counted,
+# each probe reads as a bad drafter, and in the simulator with that loss and a decision applied
+# one step late goodput and PPO stopped drafting at 4-16 requests, where depth 3 ran 1.6x
+# depth 0 (bench/resume_evidence.py). Not the default: at the three steps the hook measured,
+# the version-5 PPO holds, and version-7 policies trained so far lose 2-6% at 64 requests
+# there, where the zeros counted also priced the toggling.
 FEATURIZER_VERSION = 5
 # Versions whose policies this Featurizer still serves: a user's zip keeps working after an
 # upgrade. They differ only in the per-step fade of ``accept_trend`` (1.0 = none, version 2),
 # in which steps the latency table takes (every step, versions 2-3; not an admitting one,
 # version 4; nor the one before it, version 5 on), and in which drafted steps are acceptance
-# evidence and how aged evidence returns (version 7).
+# evidence (version 7).
 SUPPORTED_VERSIONS = (2, 3, 4, 5, 7)
 
 # Batch-size buckets for the latency table: floor(log2(bs)), so 1, 2-3, 4-7, ..., ≥512.
@@ -113,8 +112,8 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 # it only with the next one (and not when that one admits); all three set by the version.
 # _PEND_*: the record waiting for its successor (version 5): its depth index (-1: none), the
 # start of its latency row, its step_us, its step index. _RESUME: 1 when a drafted record right
-# after a depth-0 one is not evidence and aged evidence stays aged (version 7); _PREV_DEPTH: the
-# previous record's depth (-1: none).
+# after a depth-0 one is not evidence (version 7); _PREV_DEPTH: the previous record's depth
+# (-1: none).
 (_T, _LAST_SPEC, _STEP_MS, _PREFILL, _BS_FAST, _BS_SLOW, _ACC_FAST, _ACC_SLOW, _HAS_LAST, _TREND_FADE,
  _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T, _RESUME, _PREV_DEPTH) = range(18)  # fmt: skip
 _HEAD = 18
@@ -447,13 +446,10 @@ def _fold(
         if depth > k:
             raise ValueError("a speculative record deeper than the deepest allowed depth")
         # A request that accepted a of d drafts reached positions 1..min(a+1, d) and accepted
-        # 1..a. Decay per speculative step, so "recent" means recent batches; version 7 also
-        # keeps the ageing of the steps without drafting (the estimate read there).
-        age = t - 1.0 - st[_LAST_SPEC]
-        keep = ACCEPT_DECAY * (STALE_DECAY**age if st[_RESUME] != 0.0 and age > 0.0 else 1.0)
+        # 1..a. Decay per speculative step, so "recent" means recent batches.
         for i in range(1, k + 1):
-            st[o_acc + i] *= keep
-            st[o_tried + i] *= keep
+            st[o_acc + i] *= ACCEPT_DECAY
+            st[o_tried + i] *= ACCEPT_DECAY
         count = np.zeros(depth + 1, dtype=np.int64)
         total = 0
         for a in accept:

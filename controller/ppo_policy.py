@@ -228,13 +228,15 @@ def meta_for(
     extra: dict[str, Any] | None = None,
     model_table: Any = None,
     objective: str = THROUGHPUT,
+    featurizer_version: int = FEATURIZER_VERSION,
 ) -> PPOMeta:
-    """The metadata of a policy trained on this checkout's Featurizer for ``depths`` (with
-    a fitted model's table, :attr:`PPOMeta.model_table`, when given) for ``objective``."""
-    feat = Featurizer(depths)
+    """The metadata of a policy trained on this checkout's Featurizer (``featurizer_version``
+    of it) for ``depths`` (with a fitted model's table, :attr:`PPOMeta.model_table`, when
+    given) for ``objective``."""
+    feat = Featurizer(depths, featurizer_version)
     return PPOMeta(
         depths=tuple(int(d) for d in depths),
-        featurizer_version=FEATURIZER_VERSION,
+        featurizer_version=featurizer_version,
         obs_dim=feat.obs_dim,
         feature_names=tuple(feat.feature_names),
         net_arch=tuple(int(w) for w in net_arch),

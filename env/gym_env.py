@@ -12,7 +12,7 @@ from gymnasium import spaces
 
 from controller._jit import maybe_njit
 from controller.errors import ConfigError
-from controller.features import Featurizer
+from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.protocol import DEFAULT_DEPTHS
 from env.deployments import resolve
 from env.engine import Engine
@@ -82,6 +82,8 @@ class SpecDecodeEnv(gym.Env):
       also seen drafters far better or worse than the one it was fitted to (0 = off).
     - ``episode_steps``: steps per episode.
     - ``reward_scale``: tokens per unit reward.
+    - ``featurizer_version``: the observation's definition (``controller.features``; default
+      the current one).
 
     ``reset(options=...)`` may override ``deployment``, ``workload`` or ``concurrency`` (an int:
     workload ``closed:C``) for that episode.
@@ -104,6 +106,7 @@ class SpecDecodeEnv(gym.Env):
         drafter_mix: float = 0.0,
         episode_steps: int = 2048,
         reward_scale: float = 32.0,
+        featurizer_version: int = FEATURIZER_VERSION,
     ) -> None:
         self.depths = tuple(int(d) for d in depths)
         if not self.depths or self.depths[0] != 0:
@@ -124,7 +127,7 @@ class SpecDecodeEnv(gym.Env):
         self.drafter_mix = float(drafter_mix)
         self.episode_steps = int(episode_steps)
         self.reward_scale = float(reward_scale)
-        self.featurizer = Featurizer(self.depths)
+        self.featurizer = Featurizer(self.depths, featurizer_version)
         self.observation_space = spaces.Box(-OBS_BOUND, OBS_BOUND, (self.featurizer.obs_dim,), np.float32)
         self.action_space = spaces.Discrete(len(self.depths))
         self.engine: Engine | None = None

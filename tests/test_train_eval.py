@@ -316,3 +316,45 @@ def test_train_takes_the_servers_decision_delay(tmp_path):
     for bad in ("0", "3,1", "1,2,3", "x", "9"):
         with pytest.raises(ConfigError, match="--delay"):
             config("--delay", bad)
+
+
+def test_train_on_featurizer_version_7_writes_a_zip_served_with_it(tmp_path):
+    """``controller train --featurizer-version 7``: the episodes' observations, the zip's
+    metadata and the Featurizer that serves it are version 7's (the first drafted step after
+    depth 0 is no evidence), and versions this controller cannot serve are refused."""
+    from controller.cli import build_parser
+    from controller.features import FEATURIZER_VERSION, featurizer_for
+    from controller.protocol import Step
+    from env.gym_env import SpecDecodeEnv
+
+    def config(*flag: str) -> TrainConfig:
+        argv = ["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), *flag]
+        return TrainConfig.from_args(build_parser().parse_args(argv), None)
+
+    assert config().featurizer_version == FEATURIZER_VERSION
+    cfg = config("--featurizer-version", "7")
+    assert cfg.featurizer_version == 7
+    for bad in ("6", "1"):
+        with pytest.raises(ConfigError, match="--featurizer-version"):
+            config("--featurizer-version", bad)
+    assert SpecDecodeEnv(deployment="seed", featurizer_version=7).featurizer.version == 7
+    out = tmp_path / "v7" / "ppo.zip"
+    train(replace(TINY, out=out, featurizer_version=7, timesteps=256, bc_states=300), log=lambda *_: None)
+    factory = load_ppo_factory(out, (0, 1, 2, 3, 5))
+    assert factory.meta.featurizer_version == 7
+    feat = featurizer_for(factory(factory.meta.depths), factory.meta.depths)
+    assert feat.version == 7
+
+    # Served: a resume's zeros leave the acceptance estimate where depth 0 left it (aged one
+    # step more; version 5 would read four failed requests).
+    def rec(seq: int, depth: int, accept: list[int]) -> Step:
+        return Step(
+            instance="t", seq=seq, depth=depth, bs=4, waiting=0, accept=accept, step_us=9000,
+            ctx_tokens=2048, kv_usage=0.1, prefill_tokens=0, ts_ns=seq * 10**7,
+        )  # fmt: skip
+
+    feat.update(rec(0, 3, [3, 3, 3, 3]))
+    feat.update(rec(1, 0, []))
+    p = feat.accept_prob(1)
+    feat.update(rec(2, 3, [0, 0, 0, 0]))
+    assert feat.accept_prob(1) > p - 0.01
