@@ -288,11 +288,18 @@ _gemm_kernel = maybe_njit(_gemm)
 
 
 @maybe_njit
+def _wave(c: np.ndarray, b: float, seqs: float) -> float:
+    """The sequences of one wave of a kernel that runs ``seqs`` of them side by side: the
+    smooth min(b, seqs), sharpness ``wave_sharpness`` (module docstring)."""
+    s = c[I_SHARP]
+    return b / (1.0 + (b / seqs) ** s) ** (1.0 / s)
+
+
+@maybe_njit
 def _attn_layer(c: np.ndarray, k: int, b: float, ctx_per_seq: float) -> float:
     """One layer of attention kernel ``k`` (index of its fix, seq, kv1, kv) over ``b`` sequences
     of ``ctx_per_seq`` cached tokens: the first wave's sequences at kv1, the rest at kv."""
-    s = c[I_SHARP]
-    first = b / (1.0 + (b / c[I_WAVE]) ** s) ** (1.0 / s)
+    first = _wave(c, b, c[I_WAVE])
     return c[k] + c[k + 1] * b + ctx_per_seq * (c[k + 2] * first + c[k + 3] * (b - first))
 
 
@@ -355,9 +362,7 @@ def _extend_kernel(c: np.ndarray, b: float, ctx_tokens: float) -> float:
     of one wave (``ext_wave_seqs``) run side by side: ``ctx_tokens`` over the wave's requests."""
     if b <= 0.0:
         return 0.0
-    s = c[I_SHARP]
-    wave = b / (1.0 + (b / c[I_EXT_WAVE]) ** s) ** (1.0 / s)
-    return c[I_VER_SEQ] * b + c[I_VER_CTX] * (ctx_tokens / wave)
+    return c[I_VER_SEQ] * b + c[I_VER_CTX] * (ctx_tokens / _wave(c, b, c[I_EXT_WAVE]))
 
 
 @maybe_njit
