@@ -244,19 +244,29 @@ def test_replay_csv(tmp_path):
         simulate(load_deployment("seed"), f"replay:{bad}", StaticPolicy(0, DEPTHS), depths=DEPTHS)
 
 
+def _depth_3_steps_per_part(tmp_path, header: str, row: str, workload: str) -> dict[int, int]:
+    """Steps at depth 3 to serve four 400-token requests, a CSV of ``header`` and four ``row``s
+    (formatted with ``zero``), under ``workload`` (formatted with ``path``), for each
+    ``zero_accept`` value: 1 the fitted acceptance's zero part, 0 the other."""
+    steps = {}
+    for zero in (0, 1):
+        f = tmp_path / f"zero{zero}.csv"
+        f.write_text(header + "\n" + (row.format(zero=zero) + "\n") * 4)
+        run = simulate(load_deployment("seed"), workload.format(path=f), StaticPolicy(3, DEPTHS), depths=DEPTHS)
+        assert run.tokens == 1600
+        steps[zero] = run.steps
+    return steps
+
+
 def test_replay_csv_sets_each_requests_acceptance_part(tmp_path):
     """``replay:PATH`` takes ``zero_accept`` as ``requests=`` does: at depth 3, arrivals in the
     fitted acceptance's zero part (1) take about a step per token, the same arrivals in the
     other part (0) far fewer; blank is drawn; any other value names the row."""
     from env.workload import Arrivals
 
-    steps = {}
-    for zero in (0, 1):
-        f = tmp_path / f"zero{zero}.csv"
-        f.write_text("arrival_s,prompt_tokens,output_tokens,zero_accept\n" + f"0.0,128,400,{zero}\n" * 4)
-        run = simulate(load_deployment("seed"), f"replay:{f}", StaticPolicy(3, DEPTHS), depths=DEPTHS)
-        assert run.tokens == 1600
-        steps[zero] = run.steps
+    steps = _depth_3_steps_per_part(
+        tmp_path, "arrival_s,prompt_tokens,output_tokens,zero_accept", "0.0,128,400,{zero}", "replay:{path}"
+    )
     assert steps[1] > 0.9 * 400 and steps[0] < 0.7 * steps[1]  # four at once: 400 tokens each
     blank = tmp_path / "blank.csv"
     blank.write_text("arrival_s,prompt_tokens,output_tokens,zero_accept\n0.0,100,20,\n0.5,100,20,1\n0.7,100,20,0\n")
@@ -289,13 +299,9 @@ def test_closed_loop_sends_the_requests_of_a_file_in_order(tmp_path):
 
     # The acceptance part: at depth 3, requests the drafter cannot help take about a step per
     # token; the same requests in the other part take far fewer.
-    steps = {}
-    for zero in (0, 1):
-        f = tmp_path / f"zero{zero}.csv"
-        f.write_text("prompt_tokens,output_tokens,zero_accept\n" + f"128,400,{zero}\n" * 4)
-        run = simulate(load_deployment("seed"), f"closed:1@requests={f}", StaticPolicy(3, DEPTHS), depths=DEPTHS)
-        assert run.tokens == 1600
-        steps[zero] = run.steps
+    steps = _depth_3_steps_per_part(
+        tmp_path, "prompt_tokens,output_tokens,zero_accept", "128,400,{zero}", "closed:1@requests={path}"
+    )
     assert steps[1] > 0.9 * 1600 and steps[0] < 0.7 * steps[1]
     blank = tmp_path / "blank.csv"  # a blank acceptance part is drawn, as without the column
     blank.write_text("prompt_tokens,output_tokens,zero_accept\n100,20,\n100,20,1\n")
