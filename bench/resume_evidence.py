@@ -55,6 +55,14 @@ def policies(deployment: str, extra: list[str]) -> list[tuple[str, str, int | No
     ] + [(e.partition("=")[0], e.partition("=")[2], None) for e in extra]
 
 
+def worlds(base: Any) -> list[tuple[str, Any]]:
+    """The deployment as bundled, and with the off switch's resume loss."""
+    return [
+        ("as bundled", base),
+        ("resume loses its drafts", replace(base, acceptance=with_resume_loss(base.acceptance))),
+    ]
+
+
 def run(params: Any, spec: str, version: int | None, c: int, delay: int, seeds: int) -> float:
     """Mean closed-loop throughput of one policy at C over ``seeds`` engine seeds."""
     depths = DEFAULT_DEPTHS
@@ -77,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--conc", default="4,16,64", help="closed-loop concurrencies, comma list")
     ap.add_argument("--delays", default="1,3", help="decision delays in steps, comma list")
-    ap.add_argument("--policy", action="append", default=[], metavar="LABEL=ZIP", help="a PPO zip to run as well")
+    ap.add_argument(
+        "--policy", action="append", default=[], metavar="LABEL=ZIP", help="a PPO zip to run as well"
+    )
     args = ap.parse_args(argv)
     bad = [e for e in args.policy if "=" not in e or not Path(e.partition("=")[2]).is_file()]
     if bad:
@@ -91,16 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--conc and --delays take comma lists of integers")
     if args.seeds < 1 or min(concs) < 1 or min(delays) < 1:
         ap.error("--seeds, --conc and --delays must be at least 1")
-    base = load_deployment(args.deployment)
-    worlds = [
-        ("as bundled", base),
-        ("resume loses its drafts", replace(base, acceptance=with_resume_loss(base.acceptance))),
-    ]
     pols = policies(args.deployment, args.policy)
     print(f"{args.deployment}, {args.seeds} seeds; tok/s (÷ the better of static:0 and static:3)\n")
     print("| world | delay | C | " + " | ".join(label for label, _, _ in pols) + " |")
     print("|---|---|---|" + "---|" * len(pols))
-    for world, params in worlds:
+    for world, params in worlds(load_deployment(args.deployment)):
         for delay in delays:
             for c in concs:
                 tok = [run(params, spec, version, c, delay, args.seeds) for _, spec, version in pols]

@@ -6,20 +6,17 @@ answer to it."""
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import resume_evidence  # noqa: E402
 
-from env.acceptance import with_resume_loss  # noqa: E402
 from env.deployments import load_deployment  # noqa: E402
 
 
 def test_a_resume_read_as_evidence_keeps_goodput_off_and_version_7_drafts_again() -> None:
-    base = load_deployment("h200-llama8b")
-    lossy = replace(base, acceptance=with_resume_loss(base.acceptance))
+    (_, base), (_, lossy) = resume_evidence.worlds(load_deployment("h200-llama8b"))
 
     def tok(params: object, spec: str, version: int | None = None) -> float:
         return resume_evidence.run(params, spec, version, 4, 1, 2)  # C = 4, decided one step late
