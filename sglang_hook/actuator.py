@@ -206,6 +206,8 @@ class ControlledParams:
         fallback_depth: fixed depth when no decision is fresh; ``None`` = SGLang's policy.
         profiler: benchmark only: ``start()`` → token, ``stop(token)`` around the hook's own work
             in each call (in ``on_verify_complete``: after SGLang's update, which is not the hook's).
+        resume: the off switch's ``WarmResume`` (``depth(d)`` → the depth to launch), through
+            which every launch's depth goes, whoever chose it; ``None``: launched as chosen.
     """
 
     def __init__(
@@ -214,10 +216,12 @@ class ControlledParams:
         state: ActuatorState,
         fallback_depth: int | None = None,
         profiler: Any = None,
+        resume: Any = None,
     ) -> None:
         self._inner = inner
         self._state = state
         self._profiler = profiler
+        self._resume = resume
         valid = frozenset(int(s) for s in inner.candidate_steps)
         state.valid = valid
         if state.applied is not None and state.applied not in valid:  # taken before valid was known
@@ -249,25 +253,37 @@ class ControlledParams:
         return self._inner.cuda_graph_bs_for_step(step)
 
     def get_steps_for_batch(self, batch_size: int) -> int:
-        """The depth for the decode about to launch: the received decision, else the fallback."""
+        """The depth for the decode about to launch: the received decision, else the fallback,
+        through ``resume`` (a resume after depth 0 may launch one more depth-0 step first)."""
         prof = self._profiler
         t0 = prof.start() if prof is not None else None
+        depth: int | None = None
         try:
             state = self._state
             depth = state.applied  # None or a valid depth (ActuatorState's invariant)
             if depth is not None:
                 state.counters.controller_steps += 1
-                return depth
-            state.counters.fallback_steps += 1
-            if self._fallback is not None:
-                return self._fallback
+            else:
+                state.counters.fallback_steps += 1
+                depth = self._fallback
         except Exception:
+            depth = None
             self._state.counters.hook_errors += 1
             log_once("get_steps", "spec controller: actuator failed; using SGLang's policy", exc=True)
         finally:
             if prof is not None:
                 prof.stop(t0)
-        return self._inner.get_steps_for_batch(batch_size)
+        if depth is None:
+            depth = self._inner.get_steps_for_batch(batch_size)
+        resume = self._resume
+        if resume is None:
+            return depth
+        try:
+            return resume.depth(depth)
+        except Exception:
+            self._state.counters.hook_errors += 1
+            log_once("resume", "spec controller: warm resume failed; launching the depth as chosen", exc=True)
+            return depth
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         """Feed SGLang's policy; let it switch the runtime state only while it is in charge."""
@@ -300,11 +316,12 @@ def wrap_controller_params(
     state: ActuatorState,
     fallback_depth: int | None,
     profiler: Any = None,
+    resume: Any = None,
 ) -> ControlledParams:
     """Replace ``controller.params`` (SGLang's ``AdaptiveController``) by a :class:`ControlledParams`."""
     inner = controller.params
     if isinstance(inner, ControlledParams):
         return inner
-    wrapped = ControlledParams(inner, state, fallback_depth, profiler)
+    wrapped = ControlledParams(inner, state, fallback_depth, profiler, resume)
     controller.params = wrapped
     return wrapped

@@ -36,8 +36,12 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   MLP or LM head, and none of SGLang's extend preparation or proposal kernels. An EAGLE-3
   layer's keys and values at a position depend only on that position's token and the target's
   hidden states, never on the drafter's earlier outputs, so the drafter's cache stays exact.
-  What is not current is its next proposal: SGLang's skip stub (zeros) is left, so the first
-  step after drafting resumes loses that one step's drafts. Single-layer EAGLE-3 drafters on a
+  What is not current is its next proposal: SGLang's skip stub (zeros) is left. So drafting
+  resumes warm (:class:`WarmResume`; ``SPECDEPTH_OFF_RESUME=cold`` turns it off): when a
+  depth above 0 follows depth 0, one more depth-0 step runs first, with SGLang's whole extend,
+  whose proposal the first drafted step drafts from. Cold, that step drafted from the zeros and
+  accepted nothing (0 of 628 first draft tokens on the H100 testbed), and a policy that learns
+  acceptance from the records read each resume as a failed probe. Single-layer EAGLE-3 drafters on a
   plain MHA KV pool, greedy drafting only; anything else runs ``keep``. The update is owed and
   16 steps are stored in one pass (:class:`PendingKV`), always before a draft or a prefill
   touches the drafter's cache. Measured on an H100 (random target, a drafter that never
@@ -94,6 +98,9 @@ DEFER_ROWS = 1024
 # Under ``kv``, a depth-0 prefill's drafter extend stores keys and values only too unless this
 # is "sglang" (SGLang's whole extend, for comparison); "kv" is the default.
 ENV_OFF_PREFILL = "SPECDEPTH_OFF_PREFILL"
+# Under ``kv``, "warm" (default): drafting resumes after one more depth-0 step that runs
+# SGLang's whole extend (:class:`WarmResume`); "cold": it drafts at once from the zeroed stub.
+ENV_OFF_RESUME = "SPECDEPTH_OFF_RESUME"
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
 BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
@@ -138,9 +145,49 @@ class OffCounters:
     kv_prefill_checked: int = 0  # ... compared with SGLang's extend of the same prefill
     kv_prefill_identical: int = 0
     kv_prefill_max_d: float = 0.0
+    warm_resumes: int = 0  # depth-0 steps inserted before drafting resumed (WarmResume)
+    warm_extends: int = 0  # ... whose drafter extend ran SGLang's whole extend
 
 
 COUNTERS = OffCounters()
+
+
+@dataclass(slots=True)
+class WarmResume:
+    """Under ``kv``, drafting resumes from a real proposal, one step late.
+
+    At depth 0 the KV-only update leaves SGLang's zeroed proposal, so a drafted step right
+    after depth 0 would draft from zeros and accept nothing. :meth:`depth` sits where the
+    depth of each decode launch is chosen (``ControlledParams.get_steps_for_batch``, which
+    SGLang calls at the top of the step, before its verify and its drafter extend): when a
+    depth above 0 follows depth 0 it returns 0 once more and marks the launch, and
+    :func:`draft_extend_hook` runs SGLang's whole extend for a marked launch. That extend's
+    proposal is what the next step, at the asked depth, drafts from. Every TP rank sees the
+    same depths in the same order, so every rank inserts the same step.
+
+    Attributes:
+        enabled: set by :func:`install` under ``kv`` unless ``SPECDEPTH_OFF_RESUME=cold``.
+        last: the depth the previous launch ran (-1: it was an inserted step). Starts at 0:
+            before the first decode, prefills at depth 0 may have left stub proposals.
+        whole_extend: the launch being run is an inserted step (read and cleared by
+            :func:`draft_extend_hook`).
+    """
+
+    enabled: bool = False
+    last: int = 0
+    whole_extend: bool = False
+
+    def depth(self, depth: int) -> int:
+        """The depth to launch when ``depth`` is asked for (the hot path: one compare most steps)."""
+        if depth > 0 and self.last == 0 and self.enabled:
+            self.last, self.whole_extend = -1, True
+            COUNTERS.warm_resumes += 1
+            return 0
+        self.last, self.whole_extend = depth, False
+        return depth
+
+
+RESUME = WarmResume()
 _logged: set[str] = set()
 _plain_cls: dict[int, type] = {}
 
@@ -715,16 +762,22 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
     cache; the first ``ENV_OFF_DRAFT_CHECK`` steps store at once and are checked. Anything this
     does not cover (another depth, an idle batch, extra arguments such as 0.5.23's
     ``kv_loc_plan``, a drafter :func:`kv_verdict` refuses) runs SGLang's extend, after what is
-    owed is stored; a failure runs it too, and ``kv`` is off for that worker.
+    owed is stored; a failure runs it too, and ``kv`` is off for that worker. So does a
+    launch :class:`WarmResume` inserted: drafting resumes from its proposal.
     """
+    whole, RESUME.whole_extend = RESUME.whole_extend, False
     if (
-        getattr(worker, "speculative_num_steps", None) != 0
+        whole
+        or getattr(worker, "speculative_num_steps", None) != 0
         or batch.forward_mode.is_idle()
         or args
         or any(v is not None for v in kwargs.values())
         or kv_verdict(worker)
     ):
         _flush_or_drop(worker)
+        COUNTERS.warm_extends += whole
+        if getattr(worker, KV_VERDICT_MARK, ""):  # whole extends at every depth 0: proposals stay current
+            RESUME.enabled = False
         return original(worker, batch, batch_result, *args, **kwargs)
     checking = COUNTERS.kv_checked < _CHECK.steps
     try:
@@ -779,7 +832,8 @@ def draft_prefill_hook(
     (the prefill writes the drafter's cache); then at depth 0 (unless ``ENV_OFF_PREFILL=sglang``) the
     prefill's drafter extend stores keys and values only (:func:`prefill_inputs`,
     :func:`draft_kv`) and returns SGLang's zeroed proposal (:func:`prefill_stub`), leaving the
-    batch as SGLang's extend leaves it. Anything else, and any failure, runs SGLang's extend."""
+    batch as SGLang's extend leaves it. Anything else, and any failure, runs SGLang's extend, as
+    does a prefill between a step :class:`WarmResume` inserted and the drafted step after it."""
     _flush_or_drop(worker)
 
     def sglangs() -> Any:  # SGLang's extend of this prefill, called as SGLang called it
@@ -792,6 +846,7 @@ def draft_prefill_hook(
         or any(a is not None for a in args)  # 0.5.17 passes mm_input_embeds, None for text
         or any(v is not None for v in kwargs.values())
         or getattr(worker, PREFILL_OFF_MARK, False)
+        or RESUME.last < 0  # after a step WarmResume inserted the next decode drafts: a real proposal
         or kv_verdict(worker)
     ):
         return sglangs()
@@ -870,6 +925,7 @@ def install(register: Any, config: OffConfig) -> None:
     replaced by the KV-only update (:func:`draft_extend_hook`).
     """
     register(DRAFT_EXTEND_WIDTH, draft_extend_width_hook)  # every depth, whatever the off path
+    RESUME.enabled = False  # only kv leaves stub proposals that a resume would draft from
     if not config.plain:
         return
     if config.draft == "skip":
@@ -879,6 +935,7 @@ def install(register: Any, config: OffConfig) -> None:
         _CHECK.batches = _CHECK.prefills = _CHECK.steps // 6
         _DEFER.steps = max(1, _env_int(ENV_OFF_DRAFT_DEFER, DEFER_STEPS))
         _PREFILL.kv = _env_choice(ENV_OFF_PREFILL, ("kv", "sglang")) == "kv"
+        RESUME.enabled = _env_choice(ENV_OFF_RESUME, ("warm", "cold")) == "warm"
         register(DRAFT_EXTEND, draft_extend_hook)
         register(DRAFT, flush_first_hook)
         register(DRAFT_PREFILL, draft_prefill_hook)

@@ -388,7 +388,9 @@ def controller_init_hook(original: Any, controller: Any, *args: Any, **kwargs: A
     try:
         rt = runtime()
         if rt is not None:
-            wrap_controller_params(controller, rt.state, rt.config.fallback_depth, profiler=rt.profiler)
+            wrap_controller_params(
+                controller, rt.state, rt.config.fallback_depth, profiler=rt.profiler, resume=off_switch.RESUME
+            )
     except Exception:
         log_once("wrap", "spec controller: cannot wrap SGLang's adaptive params; SGLang decides", exc=True)
 

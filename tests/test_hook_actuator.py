@@ -107,14 +107,16 @@ class MinimalAdaptiveWorker:
         self.applied.append(state.speculative_num_steps)
 
 
-def make_controller(tmp: Path, fallback: int | None = None, initial: int = 3) -> tuple[Any, Any, TpSync]:
+def make_controller(
+    tmp: Path, fallback: int | None = None, initial: int = 3, resume: Any = None
+) -> tuple[Any, Any, TpSync]:
     """SGLang's controller over the minimal worker, params wrapped, runtime states built."""
     cfg = tmp / "adaptive.json"
     cfg.write_text(json.dumps({"1": {"candidate_steps": list(DEPTHS)}}))
     worker = MinimalAdaptiveWorker(initial)
     controller = compat.new_adaptive_controller(worker, str(cfg))
     state = ActuatorState()
-    wrap_controller_params(controller, state, fallback)
+    wrap_controller_params(controller, state, fallback, resume=resume)
     controller.register(worker.build_adaptive_runtime_state(initial, initial + 1))
     controller.init_states(cuda_graph_bs=None)
     return controller, worker, TpSync(state)
@@ -144,6 +146,35 @@ def test_decisions_switch_the_active_runtime_state(tmp_path: Path) -> None:
     # A repeated decision sends no new marker: the applied depth is sticky.
     assert sync.state.counters.syncs_sent == 6
     assert sync.state.counters.controller_steps == 7
+
+
+def test_drafting_resumes_after_one_more_depth_0_launch_whoever_decides(tmp_path: Path) -> None:
+    """With the off switch's warm resume, a depth above 0 right after depth 0 launches depth 0
+    once more (marked for SGLang's whole drafter extend), then the depth decided; the fallback
+    and SGLang's own policy go through it alike."""
+    from sglang_hook.off_switch import WarmResume
+
+    resume = WarmResume(enabled=True)
+    controller, worker, sync = make_controller(tmp_path, resume=resume)
+    decided = (3, 3, 0, 0, 5, 5, 1, 0, 2, 2)
+    launched, marked = [], []
+    for depth in decided:
+        launched.append(launch(controller, sync, depth))
+        marked.append(resume.whole_extend)
+    # before the first decode, prefills may have run at depth 0: the first drafted launch is warmed too
+    assert launched == [0, 3, 0, 0, 0, 5, 1, 0, 0, 2]
+    assert marked == [True, False, False, False, True, False, False, False, True, False]
+    assert sync.state.counters.controller_steps == len(decided)
+
+    fixed = WarmResume(enabled=True, last=5)
+    controller, worker, sync = make_controller(tmp_path, fallback=3, resume=fixed)
+    assert [launch(controller, sync, None) for _ in range(2)] == [3, 3]  # no depth 0 before: as chosen
+    assert [launch(controller, sync, d) for d in (0, None, None)] == [0, 0, 3]  # back to the fallback: warmed
+
+    cold = WarmResume(enabled=False)
+    controller, worker, sync = make_controller(tmp_path, resume=cold)
+    assert [launch(controller, sync, d) for d in decided] == list(decided)
+    assert not cold.whole_extend
 
 
 def test_controller_in_charge_blocks_sglang_switches_but_keeps_its_ema_warm(tmp_path: Path) -> None:

@@ -713,6 +713,66 @@ def test_owed_updates_are_stored_before_the_drafter_cache_is_used(eagle3: Any, d
         pool.get_kv_buffer(layer_id)[0].zero_()
 
 
+def test_a_warm_resume_step_runs_sglangs_whole_extend_after_what_is_owed(
+    eagle3: Any, defer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The depth-0 launch :class:`WarmResume` inserts before drafting resumes: its drafter
+    extend is SGLang's whole one (the proposal the next step drafts from), after the owed
+    updates are stored (SGLang's extend reads the drafter's cache); the depth-0 steps around it
+    store keys and values only."""
+    import torch
+
+    resume = off_switch.WarmResume(enabled=True)
+    monkeypatch.setattr(off_switch, "RESUME", resume)
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+    steps = steps_of(4)
+    seen: list[bool] = []
+
+    def sglang(w: Any, batch: Any, result: Any, *a: Any, **kw: Any) -> str:
+        seen.append(bool(pool.get_kv_buffer(layer_id)[0][steps[0][0].out_cache_loc].any()))
+        return "whole extend"
+
+    with torch.inference_mode():
+        assert resume.depth(0) == 0
+        assert off_switch.draft_extend_hook(sglang, worker, *steps[0]) is None  # owed
+        assert resume.depth(3) == 0 and resume.whole_extend  # the inserted launch
+        assert off_switch.draft_extend_hook(sglang, worker, *steps[1]) == "whole extend"
+        assert seen == [True] and not resume.whole_extend  # what was owed went first; the mark is used up
+        assert resume.depth(3) == 3 and resume.depth(0) == 0
+        assert off_switch.draft_extend_hook(sglang, worker, *steps[2]) is None and seen == [True]
+    c = off_switch.COUNTERS
+    assert (c.warm_resumes, c.warm_extends, c.kv_steps) == (1, 1, 2)
+
+    resume.whole_extend = True  # a worker whose KV-only update is refused runs whole extends anyway
+    refused = draft_worker(model, SimpleNamespace(), steps=0)
+    assert off_switch.draft_extend_hook(sglang, refused, *steps[3]) == "whole extend"
+    assert off_switch.draft_extend_hook(sglang, refused, *steps[3]) == "whole extend"
+    assert not resume.enabled  # so nothing needs warming there: no more inserted steps
+    assert resume.depth(0) == 0 and resume.depth(3) == 3
+
+
+def test_a_prefill_right_before_drafting_resumes_gets_sglangs_extend(
+    eagle3: Any, kv_prefill: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill between the inserted depth-0 launch and the drafted one: the next decode
+    drafts from its proposal, so it must be SGLang's, not the stub."""
+    import torch
+
+    resume = off_switch.WarmResume(enabled=True)
+    monkeypatch.setattr(off_switch, "RESUME", resume)
+    model = eagle3()
+    worker = draft_worker(model, pool_for(model), steps=0)
+    assert resume.depth(2) == 0  # inserted: the worker stays at depth 0 for this launch
+    assert off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch()) == "sglang"
+    assert resume.depth(2) == 2 and resume.depth(0) == 0
+    with torch.inference_mode():  # an ordinary depth-0 prefill again: keys and values only
+        assert off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch()) != "sglang"
+    assert off_switch.COUNTERS.kv_prefills == 1
+
+
 def test_a_slot_reused_while_owed_ends_with_its_latest_owner(eagle3: Any, defer: Any) -> None:
     """A request finishes, its slot is freed and handed to another request's next token while
     both updates are owed: the later one must win, as it would with each stored at once."""
@@ -772,6 +832,7 @@ def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.
     monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0, prefills=0))
     monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=off_switch.DEFER_STEPS, rows=off_switch.DEFER_ROWS))
     monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
+    monkeypatch.setattr(off_switch, "RESUME", off_switch.WarmResume())
     registered: list[str] = []
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "60")
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_DEFER, "0")  # 0 and 1: every step stores its own
@@ -791,9 +852,17 @@ def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.
     monkeypatch.delenv(off_switch.ENV_OFF_PREFILL)
     off_switch.install(lambda target, fn: None, off_switch.OffConfig())
     assert off_switch._PREFILL.kv  # unset: KV only
+    assert off_switch.RESUME.enabled  # kv: drafting resumes warm unless asked otherwise
+    monkeypatch.setenv(off_switch.ENV_OFF_RESUME, "cold")
+    off_switch.install(lambda target, fn: None, off_switch.OffConfig())
+    assert not off_switch.RESUME.enabled
+    monkeypatch.setenv(off_switch.ENV_OFF_RESUME, "lukewarm")
+    off_switch.install(lambda target, fn: None, off_switch.OffConfig())
+    assert off_switch.RESUME.enabled and "'lukewarm' is not one of warm, cold" in caplog.text
     registered.clear()
     off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig(draft="keep"))
     assert off_switch.DRAFT not in registered and off_switch.DRAFT_PREFILL not in registered
+    assert not off_switch.RESUME.enabled  # keep's proposals are always current
 
 
 # --- a depth-0 prefill's drafter extend, keys and values only (unless SPECDEPTH_OFF_PREFILL=sglang) ---

@@ -17,6 +17,8 @@ Servers (``--servers``):
              (``SPECDEPTH_OFF_DRAFT_CHECK``).
   off-keep   the same, the drafter's whole extend kept at depth 0 (``--spec-off-draft keep``).
   off-skip   the same, the drafter's extend skipped at depth 0 (``--spec-off-draft skip``).
+  off-cold   ``off`` with drafting resumed at once from the stub proposal
+             (``SPECDEPTH_OFF_RESUME=cold``), not after one more depth-0 step.
   legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
   plain-rec  the plain server started through the hook's launcher, no speculation: with
              ``--record`` its steps are recorded like the hook servers' (admissions included).
@@ -118,6 +120,9 @@ KINDS = {
     # the KV-only prefill extend asked for by name: the same server as `off` since call I, kept
     # so that the commands of calls F, H and I still run
     "off-pkv": Kind("static:0-pkv", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "kv"))),
+    # kv with drafting resumed at once from the zeroed proposal (the default until 2026-12-06):
+    # its first drafted step after depth 0 accepts nothing
+    "off-cold": Kind("static:0-cold", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_RESUME", "cold"))),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
