@@ -4,6 +4,7 @@ which servers and policies a call runs, and the report's ratios and criteria."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import itertools
 import json
@@ -322,6 +323,26 @@ def test_open_loop_sends_each_request_when_due_and_counts_every_token() -> None:
     lag = [(g - got[0]) - (a.t_s - arr[0].t_s) for g, a in zip(got, arr)]
     assert sorted(abs(x) for x in lag)[len(lag) // 2] < 0.05 and max(abs(x) for x in lag) < 0.5, lag
     assert m["tpot_mean_ms"] > 0 and m["throughput_tok_s"] > 0
+
+
+def test_the_clients_drop_idle_connections_before_sglangs_server_closes_them() -> None:
+    """SGLang's uvicorn closes a keep-alive connection idle for SGLANG_TIMEOUT_KEEP_ALIVE
+    seconds; a client keeping it longer may send on a closing one ("Server disconnected")."""
+    pytest.importorskip("aiohttp")
+    import loadgen
+    from sglang.srt.environ import envs
+
+    async def pool(limit: int) -> tuple[int, float]:
+        conn = loadgen.connector(limit)
+        try:
+            return conn.limit, conn._keepalive_timeout
+        finally:
+            await conn.close()
+
+    server_s = envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
+    for limit in (0, 68):  # openloop's and loadgen's pools
+        got, idle_s = asyncio.run(pool(limit))
+        assert got == limit and 0 < idle_s < server_s
 
 
 # --------------------------------------------------------------------------- the report

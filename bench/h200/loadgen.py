@@ -185,6 +185,20 @@ async def _one(
     )
 
 
+# SGLang's HTTP server (uvicorn) closes a keep-alive connection idle for 5 s
+# (SGLANG_TIMEOUT_KEEP_ALIVE); aiohttp keeps idle ones for 15 s by default, so a request could go
+# out on a connection the server was closing and fail with "Server disconnected" (1 of 770
+# requests in each of two open-loop runs on calls AB and AD). Idle ones are dropped first here.
+KEEPALIVE_S = 2.0
+
+
+def connector(limit: int) -> Any:
+    """The client's connection pool: ``limit`` connections at most (0: no limit)."""
+    import aiohttp
+
+    return aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S)
+
+
 async def _run(url: str, spec: LoadSpec, timeout_s: float) -> tuple[list[RequestResult], float, tuple[float, float] | None]:
     import aiohttp
 
@@ -194,8 +208,7 @@ async def _run(url: str, spec: LoadSpec, timeout_s: float) -> tuple[list[Request
     timelines: list[list[tuple[float, int]]] = [[] for _ in work]
     sent = [0.0] * len(work)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    conn = aiohttp.TCPConnector(limit=spec.concurrency + 4)
-    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector(spec.concurrency + 4)) as session:
         t0 = time.perf_counter()
 
         async def worker() -> None:

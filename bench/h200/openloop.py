@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed  # noqa: E402
-from loadgen import RequestResult, _one, _pct  # noqa: E402
+from loadgen import RequestResult, _one, _pct, connector  # noqa: E402
 
 # (u, fraction of peak_rps): trickle, ramp to overload, hold, back down, trickle.
 RATE_KNOTS: tuple[tuple[float, float], ...] = (
@@ -141,8 +141,8 @@ async def _run(url: str, spec: OpenSpec, timeout_s: float) -> tuple[list[Request
     _raise_fd_limit()
     arr = arrivals(spec)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    conn = aiohttp.TCPConnector(limit=0)  # open loop: every arrival is sent when it is due
-    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+    # open loop: every arrival is sent when it is due (no limit on connections)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector(0)) as session:
         t0 = time.perf_counter()
 
         async def one(a: Arrival) -> RequestResult:
