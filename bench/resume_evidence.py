@@ -3,12 +3,13 @@
 Run: ``python bench/resume_evidence.py [--deployment h200-llama8b] [--seeds 5] [--conc 4,16,64]
 [--policy LABEL=ZIP ...]`` (about 10 s on two cores, more with each zip).
 
-With the hook's off switch (``--spec-off-draft kv``) the first drafted step after a depth-0 step
-proposes from a stale hidden state and accepts nothing: 0 of the first draft tokens of 628 such
-steps on the H100 testbed, against 0.38 on the other drafted steps
-(``docs/simulator.md``). The bundled deployments do not model that loss; fits of the testbed's
-traces do (``env.acceptance.with_resume_loss``). A policy that reads those zeros as evidence
-sees every probe fail. The table runs one deployment as bundled and again with the loss, with
+With the hook's off switch (``--spec-off-draft kv``) resumed cold (``SPECDEPTH_OFF_RESUME=cold``,
+the default before 2026-12-06) the first drafted step after a depth-0 step proposes from a
+stale hidden state and accepts nothing: 0 of the first draft tokens of 628 such steps on the
+H100 testbed, against 0.38 on the other drafted steps (``docs/simulator.md``). Fits of those
+traces model the loss (``env.acceptance.with_resume_loss``). A policy that reads those zeros as
+evidence sees every probe fail. Resumed warm (the default now) one more depth-0 step runs first
+and nothing is lost. The table runs one deployment as bundled, with the loss, and warm, with
 the decision applied one step after its record (the simulator's default) and three (what the
 hook measured on the H100 testbed, ``bench/h200/decision_delay.py``), closed loop at each C:
 
@@ -56,10 +57,12 @@ def policies(deployment: str, extra: list[str]) -> list[tuple[str, str, int | No
 
 
 def worlds(base: Any) -> list[tuple[str, Any]]:
-    """The deployment as bundled, and with the off switch's resume loss."""
+    """The deployment as bundled, with the cold off switch's resume loss, and with the hook's
+    warm resume (no loss; one more depth-0 step before each resume: ``EngineParams.warm_resume``)."""
     return [
         ("as bundled", base),
         ("resume loses its drafts", replace(base, acceptance=with_resume_loss(base.acceptance))),
+        ("warm resume", replace(base, engine=replace(base.engine, warm_resume=True))),
     ]
 
 

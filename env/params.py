@@ -42,6 +42,11 @@ class EngineParams:
     scheduler (HTTP, tokenizer): each request reaches the waiting queue that long after it was
     sent, and at most one per ``request_serial_us`` (0, 0: at once, as before). The hook never
     sees it; the client's TTFT does.
+    ``warm_resume``: the hook's off switch resumes drafting warm (``sglang_hook.off_switch.
+    WarmResume``, its default since 2026-12-06): a depth above 0 right after depth 0 runs one
+    more depth-0 step first (:class:`env.runner.DecodeLoop`); False: at once, as the
+    deployments were built and as the traces of calls before AA were recorded (whose resumes
+    lost their drafts: ``env.acceptance.with_resume_loss``).
     """
 
     max_running_requests: int = 256
@@ -54,6 +59,7 @@ class EngineParams:
     prefix_cache_hit: float = 0.0
     request_latency_us: int = 0
     request_serial_us: int = 0
+    warm_resume: bool = False
 
     @property
     def spec_kv_budget_tokens(self) -> int:

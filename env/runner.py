@@ -21,6 +21,7 @@ from controller.policy import EngineBound, Policy
 from controller.protocol import DEFAULT_DEPTHS, Step
 from env.engine import Engine, RequestStats
 from env.params import SimParams
+from sglang_hook.off_switch import WarmResume
 
 _NO_OBSERVATION = np.zeros(0, dtype=np.float32)
 
@@ -44,7 +45,9 @@ class DecodeLoop:
             as the served controller does in the demo).
 
     Attributes:
-        depth: the depth the last step ran with.
+        depth: the depth the last step ran with: the action's, except where the engine's server
+            resumes warm (``EngineParams.warm_resume``): a depth above 0 right after a depth-0
+            step runs one more step at depth 0 first, as the live hook does.
     """
 
     def __init__(
@@ -64,10 +67,13 @@ class DecodeLoop:
         self.featurizer = (featurizer or Featurizer(self.depths)) if observe else None
         self.depth = self.depths[0]
         self._pending: deque[int] = deque()
+        self._resume = WarmResume()
 
     def start(self) -> tuple[Step, np.ndarray]:
         """Run the first step, at ``depths[0]``: its record and observation."""
         self._pending = deque([0] * (self.action_delay - 1))
+        # The hook's own rule, fresh: the depth of every step goes through it, as on the server.
+        self._resume = WarmResume(enabled=self.engine.params.engine.warm_resume)
         return self._run(0)
 
     def advance(self, action: int) -> tuple[Step, np.ndarray]:
@@ -78,7 +84,7 @@ class DecodeLoop:
         return self._run(pending.popleft())
 
     def _run(self, action: int) -> tuple[Step, np.ndarray]:
-        self.depth = depth = self.depths[action]
+        self.depth = depth = self._resume.depth(self.depths[action])
         rec = self.engine.step(depth)
         feat = self.featurizer
         return rec, (feat.update(rec) if feat is not None else _NO_OBSERVATION)

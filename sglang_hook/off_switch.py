@@ -145,8 +145,7 @@ class OffCounters:
     kv_prefill_checked: int = 0  # ... compared with SGLang's extend of the same prefill
     kv_prefill_identical: int = 0
     kv_prefill_max_d: float = 0.0
-    warm_resumes: int = 0  # depth-0 steps inserted before drafting resumed (WarmResume)
-    warm_extends: int = 0  # ... whose drafter extend ran SGLang's whole extend
+    warm_extends: int = 0  # depth-0 steps WarmResume inserted, whose drafter extend was SGLang's whole one
 
 
 COUNTERS = OffCounters()
@@ -163,7 +162,8 @@ class WarmResume:
     depth above 0 follows depth 0 it returns 0 once more and marks the launch, and
     :func:`draft_extend_hook` runs SGLang's whole extend for a marked launch. That extend's
     proposal is what the next step, at the asked depth, drafts from. Every TP rank sees the
-    same depths in the same order, so every rank inserts the same step.
+    same depths in the same order, so every rank inserts the same step. The simulator's loop
+    (``env.runner.DecodeLoop``) runs this same rule.
 
     Attributes:
         enabled: set by :func:`install` under ``kv`` unless ``SPECDEPTH_OFF_RESUME=cold``.
@@ -171,18 +171,28 @@ class WarmResume:
             before the first decode, prefills at depth 0 may have left stub proposals.
         whole_extend: the launch being run is an inserted step (read and cleared by
             :func:`draft_extend_hook`).
+        owed: the depth asked when the last step was inserted.
     """
 
     enabled: bool = False
     last: int = 0
     whole_extend: bool = False
+    owed: int = 0
 
     def depth(self, depth: int) -> int:
-        """The depth to launch when ``depth`` is asked for (the hot path: one compare most steps)."""
-        if depth > 0 and self.last == 0 and self.enabled:
-            self.last, self.whole_extend = -1, True
-            COUNTERS.warm_resumes += 1
-            return 0
+        """The depth to launch when ``depth`` is asked for (the hot path: one compare most steps).
+
+        A resume, once begun, drafts at least once: if depth 0 is asked right after an inserted
+        step, the resume's depth runs. Otherwise a controller that drafts one step to probe the
+        acceptance (``builtin:goodput``) would see every probe turned into depth 0 and never
+        draft again (``bench/resume_evidence.py``).
+        """
+        if self.enabled:
+            if depth > 0 and self.last == 0:
+                self.owed, self.last, self.whole_extend = depth, -1, True
+                return 0
+            if depth == 0 and self.last < 0:
+                depth = self.owed
         self.last, self.whole_extend = depth, False
         return depth
 

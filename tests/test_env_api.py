@@ -95,6 +95,31 @@ def test_action_delay_applies_decisions_later():
     assert e1.step(4)[4]["depth"] == DEPTHS[4]
 
 
+def test_a_warm_resume_runs_one_more_depth_0_step_first():
+    """``EngineParams.warm_resume``: the loop runs the hook's own rule (``WarmResume``): a depth
+    above 0 right after depth 0 runs one more step at depth 0 first, then drafts at least once
+    (a one-step probe is not swallowed), and the records say so."""
+    from dataclasses import replace
+
+    from env.engine import Engine
+    from env.runner import DecodeLoop
+
+    base = load_deployment("h200-llama8b")
+    cycle = [3, 3, 0, 0, 0, 5, 0, 0, 1, 0, 3, 3]  # depths asked, action delay 1
+    depths = (0, 1, 3, 5)
+    ran = {}
+    for warm in (False, True):
+        params = replace(base, engine=replace(base.engine, warm_resume=warm))
+        engine = Engine(params, "closed:8")
+        engine.reset(0)
+        loop = DecodeLoop(engine, depths)
+        recs = [loop.start()[0]] + [loop.advance(depths.index(d))[0] for d in cycle * 30]
+        ran[warm] = [r.depth for r in recs]
+    assert ran[False] == [0, *cycle * 30]
+    first = [0, 0, 3, 0, 0, 0, 0, 5, 0, 0, 1, 3, 3]  # the start (depth 0), then the first cycle
+    assert ran[True] == first + [3, 3, 0, 0, 0, 0, 5, 0, 0, 1, 3, 3] * 29
+
+
 def test_reset_options_and_truncation():
     e = SpecDecodeEnv(deployment="seed", workload="closed:2", episode_steps=5)
     _, info = e.reset(seed=0, options={"concurrency": 64})

@@ -171,6 +171,10 @@ def test_drafting_resumes_after_one_more_depth_0_launch_whoever_decides(tmp_path
     assert [launch(controller, sync, None) for _ in range(2)] == [3, 3]  # no depth 0 before: as chosen
     assert [launch(controller, sync, d) for d in (0, None, None)] == [0, 0, 3]  # back to the fallback: warmed
 
+    probe = WarmResume(enabled=True)  # one drafted step asked for, then 0 again: it still drafts once
+    controller, worker, sync = make_controller(tmp_path, resume=probe)
+    assert [launch(controller, sync, d) for d in (0, 3, 0, 0, 0, 5, 0, 5)] == [0, 0, 3, 0, 0, 0, 5, 5]
+
     cold = WarmResume(enabled=False)
     controller, worker, sync = make_controller(tmp_path, resume=cold)
     assert [launch(controller, sync, d) for d in decided] == list(decided)
