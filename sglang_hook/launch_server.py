@@ -253,9 +253,10 @@ hook options (everything else goes to sglang.launch_server unchanged):
   --spec-off-draft kv|keep|skip
                               what the drafter does at depth 0: kv (default) only stores its
                               keys and values, 16 steps in one pass (SPECDEPTH_OFF_DRAFT_DEFER),
-                              so its cache stays exact and the first step after drafting
-                              resumes loses its drafts (0.93-1.05x a plain server at C=1-128
-                              on an H100, against 0.87-0.94x for keep); keep
+                              so its cache stays exact; drafting resumes after one more
+                              depth-0 step with the whole extend (SPECDEPTH_OFF_RESUME=cold:
+                              at once, losing that step's drafts) (0.93-1.05x a plain server
+                              at C=1-128 on an H100, against 0.87-0.94x for keep); keep
                               runs its whole one-token extend; skip runs nothing, and the
                               drafter misses the positions decoded while off
 
