@@ -266,13 +266,26 @@ def fit_acceptance(
     return ap, report
 
 
+_RESUME_LOSS = {"stale_logit": 30.0, "stale_tau_steps": 0.01, "stale_recover_steps": 0.05}
+
+
 def with_resume_loss(ap: AcceptanceParams) -> AcceptanceParams:
     """``ap`` with a stale-drafter penalty that loses the first drafted step after depth 0: after
     one step at depth 0 no draft survives it (30 logits), and one drafted step takes it away.
-    The hook's ``kv`` off switch is such a drafter: while off it stores only the drafter's keys
-    and values, and its first proposal after a resume comes from a stale hidden state (on the
-    H100 testbed no first draft token of 125 resumed steps was accepted; ``env.fit`` fits it)."""
-    return replace(ap, stale_logit=30.0, stale_tau_steps=0.01, stale_recover_steps=0.05)
+    The hook's ``kv`` off switch resumed cold is such a drafter: while off it stores only the
+    drafter's keys and values, and its first proposal after a resume comes from SGLang's zeroed
+    stub (on the H100 testbed no first draft token of 125 resumed steps was accepted; ``env.fit``
+    fits it). Resumed warm, as the hook now does, nothing is lost (:func:`without_resume_loss`)."""
+    return replace(ap, **_RESUME_LOSS)
+
+
+def without_resume_loss(ap: AcceptanceParams) -> AcceptanceParams:
+    """``ap`` with :func:`with_resume_loss`'s penalty taken out again (the default stale-drafter
+    penalty in its place); any other ``ap`` as it is."""
+    if all(getattr(ap, k) == v for k, v in _RESUME_LOSS.items()):
+        default = AcceptanceParams()
+        return replace(ap, **{k: getattr(default, k) for k in _RESUME_LOSS})
+    return ap
 
 
 def with_zero_share(ap: AcceptanceParams, p_zero: float, depths: tuple[int, ...] = (1, 2, 3, 4, 5)) -> AcceptanceParams:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from env.acceptance import AcceptanceParams
+from env.acceptance import AcceptanceParams, without_resume_loss
 from env.errors import FitError
 from env.latency import KV_NAMES, LatencyParams
 from env.workload import WorkloadParams
@@ -87,6 +87,16 @@ class EngineParams:
         if unknown:
             raise FitError(f"engine params: unknown keys {sorted(unknown)}")
         return cls(**d)
+
+
+def warm_resumed(params: SimParams) -> SimParams:
+    """``params`` for a hook that resumes warm (``EngineParams.warm_resume``), with a fit's
+    resume loss (``env.acceptance.with_resume_loss``, read off cold traces) taken out."""
+    return replace(
+        params,
+        acceptance=without_resume_loss(params.acceptance),
+        engine=replace(params.engine, warm_resume=True),
+    )
 
 
 @dataclass(frozen=True)

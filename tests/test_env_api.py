@@ -120,6 +120,26 @@ def test_a_warm_resume_runs_one_more_depth_0_step_first():
     assert ran[True] == first + [3, 3, 0, 0, 0, 0, 5, 0, 0, 1, 3, 3] * 29
 
 
+def test_a_cold_fit_replays_warm_without_its_resume_loss():
+    """``env.params.warm_resumed``: a fit of cold traces carries the resume loss; for a hook that
+    resumes warm the loss goes and the loop inserts the depth-0 step instead."""
+    from dataclasses import replace
+
+    from env.acceptance import AcceptanceParams, with_resume_loss
+    from env.params import warm_resumed
+
+    base = load_deployment("h200-llama8b")
+    cold = replace(base, acceptance=with_resume_loss(base.acceptance))
+    warm = warm_resumed(cold)
+    assert warm.engine.warm_resume and not cold.engine.warm_resume
+    assert warm.acceptance != cold.acceptance
+    assert warm.acceptance.stale_logit == AcceptanceParams().stale_logit
+    assert replace(warm.acceptance, stale_logit=0.0, stale_tau_steps=1.0, stale_recover_steps=1.0) == replace(
+        cold.acceptance, stale_logit=0.0, stale_tau_steps=1.0, stale_recover_steps=1.0
+    )  # nothing else moved
+    assert warm_resumed(base).acceptance == base.acceptance  # no loss fitted: acceptance as it was
+
+
 def test_reset_options_and_truncation():
     e = SpecDecodeEnv(deployment="seed", workload="closed:2", episode_steps=5)
     _, info = e.reset(seed=0, options={"concurrency": 64})

@@ -407,7 +407,7 @@ def print_open(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from env.params import SimParams
+    from env.params import SimParams, warm_resumed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sim", type=Path, required=True, help="the fitted sim.json")
@@ -438,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ttft-points", type=Path, action="append", default=[],
         help="a call's point file (offswitch.json; repeatable): fit the request path to static:0's measured TTFTs",
+    )  # fmt: skip
+    ap.add_argument(
+        "--resume", choices=("as-fitted", "warm"), default="as-fitted",
+        help="warm: the hook resumes drafting warm (calls from AA on; env.params.warm_resumed): one more "
+        "depth-0 step, and the fit's resume loss taken out; as-fitted: as the fit says",
     )  # fmt: skip
     ap.add_argument(
         "--predict-open", type=lambda s: [p for p in s.split(",") if p], default=None, metavar="POLICIES",
@@ -483,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"realgpu_sim: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     params = SimParams.from_dict(json.loads(args.sim.read_text()))
+    if args.resume == "warm":
+        params = warm_resumed(params)
     # (the call's arguments, its CSVs): one group for every CSV, or one per CSV
     if len(args.call_args) > 1:
         groups = [(call_args(ca), [path]) for ca, path in zip(args.call_args, args.csv)]
