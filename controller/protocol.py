@@ -13,7 +13,9 @@ Decision semantics: the hook never waits for the controller. At each decode laun
 the newest valid decision received (latest wins); with overlap scheduling that decision was
 made from telemetry one or two steps old. A depth not in the ``hello``'s ``depths`` is ignored.
 With no decision for ``stale_ms`` the hook falls back to SGLang's own adaptive policy (or a
-fixed depth, if configured) until decisions flow again.
+fixed depth, if configured) until decisions flow again. Under the hook's default off switch a
+depth above 0 right after a depth-0 launch runs one step late: one more depth-0 step first,
+whose record says depth 0, then the depth decided, at least once (:class:`WarmResume`).
 
 This module is imported inside SGLang's scheduler process, so it imports only the standard
 library and msgpack. It never unpickles: msgpack maps become plain Python values, then typed
@@ -82,6 +84,56 @@ ERROR_CODES: Final = (
 
 TO_CONTROLLER: Final = ("hello", "step")
 TO_HOOK: Final = ("welcome", "decision", "error")
+
+
+@dataclass(slots=True)
+class WarmResume:
+    """The warm resume: the depth a decode launches when a depth is decided (module docstring,
+    "Decision semantics"). One rule for the hook and the simulator.
+
+    Under the hook's ``kv`` off switch the KV-only update leaves SGLang's zeroed proposal at
+    depth 0, so a drafted step right after depth 0 would draft from zeros and accept nothing.
+    :meth:`depth` sits where the depth of each decode launch is chosen (in the hook,
+    ``sglang_hook.actuator.ControlledParams.get_steps_for_batch``, which SGLang calls at the
+    top of the step, before its verify and its drafter extend; in the simulator,
+    ``env.runner.DecodeLoop``): when a depth above 0 follows depth 0 it returns 0 once more and
+    marks the launch, and the hook's ``sglang_hook.off_switch.draft_extend_hook`` runs SGLang's
+    whole extend for a marked launch. That extend's proposal is what the next step drafts
+    from. Every TP rank sees the same depths in the same order, so every rank inserts the same
+    step.
+
+    Attributes:
+        enabled: in the hook, set by ``sglang_hook.off_switch.install`` under ``kv`` unless
+            ``SPECDEPTH_OFF_RESUME=cold``; in the simulator, ``EngineParams.warm_resume``.
+        last: the depth the previous launch ran (-1: it was an inserted step). Starts at 0:
+            before the first decode, prefills at depth 0 may have left stub proposals.
+        whole_extend: the launch being run is an inserted step (read and cleared by the hook's
+            drafter extend).
+        owed: the depth asked when the last step was inserted.
+    """
+
+    enabled: bool = False
+    last: int = 0
+    whole_extend: bool = False
+    owed: int = 0
+
+    def depth(self, depth: int) -> int:
+        """The depth to launch when ``depth`` is asked for (the hot path: one compare most steps).
+
+        A resume, once begun, drafts at least once: if depth 0 is asked right after an inserted
+        step, the resume's depth runs. Otherwise a controller that drafts one step to probe the
+        acceptance (``builtin:goodput``) would see every probe turned into depth 0 and never
+        draft again (``bench/resume_evidence.py``).
+        """
+        if self.enabled:
+            if depth > 0 and self.last == 0:
+                self.owed, self.last, self.whole_extend = depth, -1, True
+                return 0
+            if depth == 0 and self.last < 0:
+                depth = self.owed
+        self.last, self.whole_extend = depth, False
+        return depth
+
 
 
 class ProtocolError(Exception):

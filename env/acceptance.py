@@ -266,7 +266,7 @@ def fit_acceptance(
     return ap, report
 
 
-_RESUME_LOSS = {"stale_logit": 30.0, "stale_tau_steps": 0.01, "stale_recover_steps": 0.05}
+_RESUME_LOSS = (30.0, 0.01, 0.05)  # stale_logit, stale_tau_steps, stale_recover_steps
 
 
 def with_resume_loss(ap: AcceptanceParams) -> AcceptanceParams:
@@ -276,16 +276,17 @@ def with_resume_loss(ap: AcceptanceParams) -> AcceptanceParams:
     drafter's keys and values, and its first proposal after a resume comes from SGLang's zeroed
     stub (on the H100 testbed no first draft token of 125 resumed steps was accepted; ``env.fit``
     fits it). Resumed warm, as the hook now does, nothing is lost (:func:`without_resume_loss`)."""
-    return replace(ap, **_RESUME_LOSS)
+    logit, tau, recover = _RESUME_LOSS
+    return replace(ap, stale_logit=logit, stale_tau_steps=tau, stale_recover_steps=recover)
 
 
 def without_resume_loss(ap: AcceptanceParams) -> AcceptanceParams:
     """``ap`` with :func:`with_resume_loss`'s penalty taken out again (the default stale-drafter
     penalty in its place); any other ``ap`` as it is."""
-    if all(getattr(ap, k) == v for k, v in _RESUME_LOSS.items()):
-        default = AcceptanceParams()
-        return replace(ap, **{k: getattr(default, k) for k in _RESUME_LOSS})
-    return ap
+    if (ap.stale_logit, ap.stale_tau_steps, ap.stale_recover_steps) != _RESUME_LOSS:
+        return ap
+    d = AcceptanceParams()
+    return replace(ap, stale_logit=d.stale_logit, stale_tau_steps=d.stale_tau_steps, stale_recover_steps=d.stale_recover_steps)
 
 
 def with_zero_share(ap: AcceptanceParams, p_zero: float, depths: tuple[int, ...] = (1, 2, 3, 4, 5)) -> AcceptanceParams:

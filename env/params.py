@@ -42,7 +42,7 @@ class EngineParams:
     scheduler (HTTP, tokenizer): each request reaches the waiting queue that long after it was
     sent, and at most one per ``request_serial_us`` (0, 0: at once, as before). The hook never
     sees it; the client's TTFT does.
-    ``warm_resume``: the hook's off switch resumes drafting warm (``sglang_hook.off_switch.
+    ``warm_resume``: the hook's off switch resumes drafting warm (``controller.protocol.
     WarmResume``, its default since 2026-12-06): a depth above 0 right after depth 0 runs one
     more depth-0 step first (:class:`env.runner.DecodeLoop`); False: at once, as the
     deployments were built and as the traces of calls before AA were recorded (whose resumes

@@ -18,10 +18,9 @@ import numpy as np
 from controller.errors import ConfigError
 from controller.features import Featurizer, featurizer_for
 from controller.policy import EngineBound, Policy
-from controller.protocol import DEFAULT_DEPTHS, Step
+from controller.protocol import DEFAULT_DEPTHS, Step, WarmResume
 from env.engine import Engine, RequestStats
 from env.params import SimParams
-from sglang_hook.off_switch import WarmResume
 
 _NO_OBSERVATION = np.zeros(0, dtype=np.float32)
 

@@ -81,6 +81,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from controller.protocol import WarmResume
+
 logger = logging.getLogger("sglang_hook")
 
 ENV_OFF_PATH = "SPECDEPTH_OFF_PATH"  # "plain" (default) or "sglang": SGLang's own depth 0
@@ -149,52 +151,6 @@ class OffCounters:
 
 
 COUNTERS = OffCounters()
-
-
-@dataclass(slots=True)
-class WarmResume:
-    """Under ``kv``, drafting resumes from a real proposal, one step late.
-
-    At depth 0 the KV-only update leaves SGLang's zeroed proposal, so a drafted step right
-    after depth 0 would draft from zeros and accept nothing. :meth:`depth` sits where the
-    depth of each decode launch is chosen (``ControlledParams.get_steps_for_batch``, which
-    SGLang calls at the top of the step, before its verify and its drafter extend): when a
-    depth above 0 follows depth 0 it returns 0 once more and marks the launch, and
-    :func:`draft_extend_hook` runs SGLang's whole extend for a marked launch. That extend's
-    proposal is what the next step, at the asked depth, drafts from. Every TP rank sees the
-    same depths in the same order, so every rank inserts the same step. The simulator's loop
-    (``env.runner.DecodeLoop``) runs this same rule.
-
-    Attributes:
-        enabled: set by :func:`install` under ``kv`` unless ``SPECDEPTH_OFF_RESUME=cold``.
-        last: the depth the previous launch ran (-1: it was an inserted step). Starts at 0:
-            before the first decode, prefills at depth 0 may have left stub proposals.
-        whole_extend: the launch being run is an inserted step (read and cleared by
-            :func:`draft_extend_hook`).
-        owed: the depth asked when the last step was inserted.
-    """
-
-    enabled: bool = False
-    last: int = 0
-    whole_extend: bool = False
-    owed: int = 0
-
-    def depth(self, depth: int) -> int:
-        """The depth to launch when ``depth`` is asked for (the hot path: one compare most steps).
-
-        A resume, once begun, drafts at least once: if depth 0 is asked right after an inserted
-        step, the resume's depth runs. Otherwise a controller that drafts one step to probe the
-        acceptance (``builtin:goodput``) would see every probe turned into depth 0 and never
-        draft again (``bench/resume_evidence.py``).
-        """
-        if self.enabled:
-            if depth > 0 and self.last == 0:
-                self.owed, self.last, self.whole_extend = depth, -1, True
-                return 0
-            if depth == 0 and self.last < 0:
-                depth = self.owed
-        self.last, self.whole_extend = depth, False
-        return depth
 
 
 RESUME = WarmResume()

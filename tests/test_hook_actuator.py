@@ -152,7 +152,7 @@ def test_drafting_resumes_after_one_more_depth_0_launch_whoever_decides(tmp_path
     """With the off switch's warm resume, a depth above 0 right after depth 0 launches depth 0
     once more (marked for SGLang's whole drafter extend), then the depth decided; the fallback
     and SGLang's own policy go through it alike."""
-    from sglang_hook.off_switch import WarmResume
+    from controller.protocol import WarmResume
 
     resume = WarmResume(enabled=True)
     controller, worker, sync = make_controller(tmp_path, resume=resume)

@@ -21,6 +21,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.speculative import eagle_worker_v2  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
+from controller.protocol import WarmResume  # noqa: E402
 from sglang_hook import actuator, off_switch  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -722,7 +723,7 @@ def test_a_warm_resume_step_runs_sglangs_whole_extend_after_what_is_owed(
     store keys and values only."""
     import torch
 
-    resume = off_switch.WarmResume(enabled=True)
+    resume = WarmResume(enabled=True)
     monkeypatch.setattr(off_switch, "RESUME", resume)
     model = eagle3()
     pool = pool_for(model)
@@ -761,7 +762,7 @@ def test_a_prefill_right_before_drafting_resumes_gets_sglangs_extend(
     drafts from its proposal, so it must be SGLang's, not the stub."""
     import torch
 
-    resume = off_switch.WarmResume(enabled=True)
+    resume = WarmResume(enabled=True)
     monkeypatch.setattr(off_switch, "RESUME", resume)
     model = eagle3()
     worker = draft_worker(model, pool_for(model), steps=0)
@@ -832,7 +833,7 @@ def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.
     monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0, prefills=0))
     monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=off_switch.DEFER_STEPS, rows=off_switch.DEFER_ROWS))
     monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
-    monkeypatch.setattr(off_switch, "RESUME", off_switch.WarmResume())
+    monkeypatch.setattr(off_switch, "RESUME", WarmResume())
     registered: list[str] = []
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "60")
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_DEFER, "0")  # 0 and 1: every step stores its own
