@@ -557,7 +557,8 @@ def fit_sim(
 
         acc_recs = recs
         first, n_resumed, other, _ = resume_acceptance([[(s.depth, s.accept) for s in run] for run in recs.values()])
-        if n_resumed >= MIN_RESUMES and first < RESUME_LOST_BELOW * other:
+        lost = n_resumed >= MIN_RESUMES and first < RESUME_LOST_BELOW * other
+        if lost:
             # The resumes' zeros are the off switch's, not the drafter's: model them as such,
             # and fit the drafter's acceptance on the other steps.
             ap = with_resume_loss(ap)
@@ -565,6 +566,15 @@ def fit_sim(
             report.fitted.append(
                 f"a resume loses its drafts: the first draft token accepted on {first:.2f} of the requests "
                 f"of {n_resumed} drafted steps right after depth 0, against {other:.2f} on the others"
+            )
+        # The hook's kv off switch (the plain depth 0) resumes warm unless it lost its resumes'
+        # drafts (resumed cold: SPECDEPTH_OFF_RESUME=cold or a hook from before 2026-12-06): one
+        # more depth-0 step. SGLang's own depth 0 and keep run the whole extend: nothing inserted.
+        ep = replace(ep, warm_resume=not lost and (off_draft or "kv") == "kv" and lp.off_path == "plain")
+        if ep.warm_resume:
+            report.notes.append(
+                f"the off switch resumes warm (one more depth-0 step before drafting): the hook's default, and no "
+                f"resume loss in the traces ({n_resumed} drafted steps right after depth 0)"
             )
         fit_acc, hold_acc = _split(acc_recs)
         counts_fit, counts_hold = accept_counts(_flat(fit_acc), ap), accept_counts(_flat(hold_acc), ap)

@@ -490,7 +490,8 @@ def test_the_request_path_is_recovered_from_times_to_first_token():
 def test_the_fit_reads_a_resume_that_loses_its_drafts_apart_from_the_drafter(tmp_path, lost):
     """A server whose first drafted step after depth 0 accepts nothing (the ``kv`` off switch)
     is fitted as such (``with_resume_loss``) and its drafter's acceptance from the other steps;
-    a server without that loss is not, and the fitted acceptance is the same either way."""
+    a server without that loss is not (its off switch resumed warm), and the fitted acceptance
+    is the same either way."""
     from controller.traces import TraceWriter
     from env.acceptance import with_resume_loss
     from env.engine import Engine
@@ -515,5 +516,10 @@ def test_the_fit_reads_a_resume_that_loses_its_drafts_apart_from_the_drafter(tmp
     fitted, report = fit_sim(str(tmp_path), [])
     assert any("a resume loses its drafts" in f for f in report.fitted) == lost
     assert (fitted.acceptance.stale_logit == 30.0) == lost
+    # Resumes that keep their drafts on the hook's kv off switch: it resumed warm, and the
+    # simulator inserts its depth-0 step; a loss says it resumed cold, and the loss stands in.
+    assert fitted.engine.warm_resume == (not lost)
+    if not lost:
+        assert not fit_sim(str(tmp_path), [], off_draft="keep")[0].engine.warm_resume  # keep inserts nothing
     # The drafter as the other steps show it, resumes or not: its first position's mean rate.
     assert marginal_conditionals(fitted.acceptance)[0] == pytest.approx(marginal_conditionals(truth)[0], abs=0.05)
