@@ -146,6 +146,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     e.add_argument(
         "--only", default=None, help="with --suite: run the scenarios whose name contains one of these"
     )
+    e.add_argument(
+        "--warm-resume",
+        action="store_true",
+        help="simulate the hook's warm resume (its off switch's default): one more depth-0 step before "
+        "drafting resumes after depth 0, and a fit's resume loss taken out (the bundled deployments "
+        "leave it off)",
+    )
     e.set_defaults(func=_eval)
 
 

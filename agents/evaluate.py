@@ -88,6 +88,9 @@ class EvalConfig:
         depths: allowed depths (default: the PPO zip's, else 0,1,2,3,5).
         closed_s / open_s / nonstationary_s: simulated seconds per run, before ``scale``.
         trace_policies: policies whose depth-vs-batch-size trace is plotted.
+        warm_resume: simulate the hook's warm resume in every deployment
+            (``env.params.warm_resumed``): one more depth-0 step before drafting resumes, and a
+            fit's cold resume loss taken out. The bundled deployments leave it off.
     """
 
     sim: Path | None = None
@@ -108,6 +111,7 @@ class EvalConfig:
     perturb: float = 0.0
     only: tuple[str, ...] = ()
     objective: str | None = None
+    warm_resume: bool = False
 
     def __post_init__(self) -> None:
         # Checked here, before any simulation: a bad value must not surface hours (or a progress
@@ -158,6 +162,7 @@ class EvalConfig:
             perturb=getattr(args, "perturb", None) or 0.0,
             only=tuple(x for x in (getattr(args, "only", None) or "").split(",") if x),
             objective=getattr(args, "objective", None),
+            warm_resume=bool(getattr(args, "warm_resume", False)),
         )
 
 
@@ -220,6 +225,13 @@ def load_sim(sim: Path | None, deployment: str | None):
     from env.deployments import load_deployment
 
     return load_deployment(deployment)
+
+
+def _as_run(params: Any, cfg: EvalConfig) -> Any:
+    """``params`` as ``cfg`` runs them (``--warm-resume``)."""
+    from env.params import warm_resumed
+
+    return warm_resumed(params) if cfg.warm_resume else params
 
 
 def model_goodput(name: str, depths: tuple[int, ...], latency: Any) -> Policy:
@@ -412,7 +424,7 @@ def evaluate(cfg: EvalConfig) -> Path:
     """Run the workloads and write report.md, results.json and plots; returns the report path."""
     if cfg.suite is not None:
         return evaluate_suite(cfg)
-    params = load_sim(cfg.sim, cfg.deployment)
+    params = _as_run(load_sim(cfg.sim, cfg.deployment), cfg)
     depths = cfg.depths
     zips = [p for p in cfg.policies if p.endswith(".zip")]
     if depths is None:
@@ -609,7 +621,7 @@ def evaluate_suite(cfg: EvalConfig) -> Path:
     missing: list[dict[str, str]] = []
     for sc in scenarios:
         try:
-            runnable.append((sc, load_deployment(sc.deployment)))
+            runnable.append((sc, _as_run(load_deployment(sc.deployment), cfg)))
         except ControllerError as exc:
             missing.append({"scenario": sc.name, "deployment": sc.deployment, "reason": str(exc)})
     if depths is None:

@@ -159,6 +159,13 @@ def _scores_line(results: dict[str, Any], open_loop: str) -> str:
     )
 
 
+def _warm_line(results: dict[str, Any]) -> str:
+    """The report's note that the run simulated the hook's warm resume (``--warm-resume``)."""
+    if not results.get("config", {}).get("warm_resume"):
+        return ""
+    return " Every deployment runs the hook's warm resume (`--warm-resume`: one more depth-0 step before drafting resumes)."
+
+
 def write_eval_outputs(results: dict[str, Any], out: Path, notes: str = "") -> Path:
     """Write ``results.json``, ``report.md`` and plots into ``out``; returns the report path."""
     learned = "ppo" if any("ppo" in w["policies"] for w in results["workloads"].values()) else None
@@ -169,7 +176,8 @@ def write_eval_outputs(results: dict[str, Any], out: Path, notes: str = "") -> P
         f"# Evaluation: {results['sim']}",
         "",
         f"Depths {results['depths']}; seeds {results['seeds']} (the same for every policy); "
-        f"capacity ≈ {results.get('capacity_req_s', 0):.2f} req/s; wall time {results.get('wall_s', 0):.0f} s.",
+        f"capacity ≈ {results.get('capacity_req_s', 0):.2f} req/s; wall time {results.get('wall_s', 0):.0f} s."
+        + _warm_line(results),
         _scores_line(results, "per-request decode speed (1000 / mean TPOT, tokens/s)")
         + " Values are mean ± 95% CI half-width over seeds.",
         "",
@@ -451,7 +459,8 @@ def write_suite_outputs(results: dict[str, Any], out: Path) -> Path:
         "policy); every (scenario, seed) runs on a world drawn around the deployment's fit, and "
         "`goodput-fit` gets the fit. "
         + _scores_line(results, "1000 / mean TPOT (tokens/s per request)")
-        + f" Wall time {results.get('wall_s', 0):.0f} s.",
+        + f" Wall time {results.get('wall_s', 0):.0f} s."
+        + _warm_line(results),
         "",
         "References (privileged, not competitors): `oracle` (clairvoyant greedy: true acceptance and "
         "latency of the next step), `goodput-exact` (goodput with the world's exact latency model). "

@@ -243,6 +243,26 @@ def test_a_scenario_with_its_own_objective_is_scored_by_it(tmp_path, monkeypatch
     assert "t/c8-slo (slo:8)" in report.read_text()
 
 
+def test_the_suite_runs_the_hooks_warm_resume_when_asked(tmp_path, monkeypatch):
+    """``--warm-resume``: every deployment inserts the hook's depth-0 step before each resume.
+    A policy that never drafts runs exactly as before; one that toggles does not; the report
+    says which was run."""
+    tiny = (Scenario("t/alt-c4", "h200-llama8b", "phase:2:closed:4@accept_shift=-3,odd_shift=4", 6, True),)
+    monkeypatch.setitem(suite_mod.SUITES, "tiny-warm", tiny)
+    scores = {}
+    for warm in (False, True):
+        cfg = EvalConfig(suite="tiny-warm", baselines="static:0,oracle", out=tmp_path / str(warm), seeds=1,
+                         warm_resume=warm)  # fmt: skip
+        report = evaluate(cfg)
+        res = json.loads((tmp_path / str(warm) / "results.json").read_text())
+        assert res["config"]["warm_resume"] is warm
+        assert ("warm resume" in report.read_text()) is warm
+        pols = res["workloads"]["t/alt-c4"]["policies"]
+        scores[warm] = {p: pols[p]["score"]["mean"] for p in ("static:0", "oracle")}
+    assert scores[True]["static:0"] == scores[False]["static:0"]
+    assert scores[True]["oracle"] != scores[False]["oracle"]
+
+
 def test_suite_eval_with_a_policy_and_no_baselines_reports_dashes(tmp_path, monkeypatch):
     # A user timing only their zip must get a report, with "—" where no competitor ran.
     monkeypatch.setitem(suite_mod.SUITES, "solo", (Scenario("t/c4", "seed", "closed:4", 6, False),))
