@@ -897,6 +897,10 @@ def test_trace_points_splits_points_and_reads_decode_admissions_and_depths(tmp_p
     assert d["resumed"] == (1.0, 1) and d["later"] == (1.0, 3)  # one resume, three drafted steps after it
     resume = [dict(s, accept=[0] * s["bs"]) if i == 8 else s for i, s in enumerate(second)]
     assert trace_points.describe(resume)["resumed"] == (0.0, 1)  # a resume whose drafts were all lost
+    assert d["pairs"][0] == 0  # the resume has no drafted step before its depth-0 run
+    toggled = [step(t + i, 5_000, 4, depth, 0, (1, 1, 0, 0) if depth else ()) for i, depth in enumerate((3, 0, 0, 3, 3))]
+    toggled[3]["accept"] = [0, 0, 0, 0]  # a cold resume between two drafted steps accepting half
+    assert trace_points.resume_pairs(toggled) == (1, 0.5, 0.0, 0.5)
 
     from controller.traces import TraceWriter
 
@@ -906,4 +910,4 @@ def test_trace_points_splits_points_and_reads_decode_admissions_and_depths(tmp_p
     w.close()
     assert trace_points.main([str(w.path), "--min-steps", "5"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| static-0-h200-off |")]
-    assert len(rows) == 2 and rows[1].endswith("| 0: 0.67, 3: 0.33 | 1.00 (1) / 1.00 (3) |")
+    assert len(rows) == 2 and rows[1].endswith("| 0: 0.67, 3: 0.33 | 1.00 (1) / 1.00 (3) | nan / nan / nan (0) |")

@@ -16,7 +16,11 @@ more than ``--gap-ms``), this prints:
   drafted steps right after a depth-0 step (a resume) and on the other drafted steps. With the
   off switch's ``kv`` drafter the first proposal after a resume comes from a stale hidden state
   (``bench/results/realgpu/offswitch/README.md``); ``controller fit`` reads it from the traces
-  (``env.fit.resume_acceptance``).
+  (``env.fit.resume_acceptance``); and, for the resumes whose depth-0 run has a drafted step
+  before it and one after the resume, the same share on the step before, the resume and the
+  step after (``resume_pairs``): the resumes against their neighbours, in the same phase of
+  the load and the mix. Cold (``SPECDEPTH_OFF_RESUME=cold``) the middle one is 0; warm, as its
+  neighbours.
 
 Traces carry no plain server (it has no hook), so this compares policies of the hook server
 only. Usage: ``python bench/h200/trace_points.py TRACE.msgpack.gz [...]``.
@@ -51,6 +55,30 @@ def points(steps: list[dict], gap_ms: float) -> list[list[dict]]:
     return [p for p in out if p]
 
 
+def _first_accepted(step: dict) -> float:
+    return statistics.fmean(min(a, 1) for a in step["accept"])
+
+
+def resume_pairs(point: list[dict]) -> tuple[int, float, float, float]:
+    """(resumes, and the mean share of requests whose first draft token was accepted on the
+    drafted step before each resume's depth-0 run, on the resume, and on the drafted step
+    after it): every resume with both neighbours drafted."""
+    rows = []
+    for i in range(1, len(point) - 1):
+        s = point[i]
+        if not (s["depth"] > 0 and point[i - 1]["depth"] == 0 and s["accept"]):
+            continue
+        j = i - 1
+        while j >= 0 and point[j]["depth"] == 0:
+            j -= 1
+        after = point[i + 1]
+        if j >= 0 and point[j]["accept"] and after["depth"] > 0 and after["accept"]:
+            rows.append((_first_accepted(point[j]), _first_accepted(s), _first_accepted(after)))
+    if not rows:
+        return 0, float("nan"), float("nan"), float("nan")
+    return len(rows), *(statistics.fmean(r[k] for r in rows) for k in range(3))  # type: ignore[return-value]
+
+
 def describe(point: list[dict]) -> dict[str, Any]:
     c = max(s["bs"] for s in point)
     tokens = [s["bs"] + sum(s["accept"]) for s in point]
@@ -74,6 +102,7 @@ def describe(point: list[dict]) -> dict[str, Any]:
         "depths": {d: n / len(full) for d, n in sorted(Counter(point[i]["depth"] for i in full).items())},
         "resumed": (first, n_first),
         "later": (other, n_other),
+        "pairs": resume_pairs(point),
     }
 
 
@@ -91,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(
         "| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions "
-        "| ms per admission, mean / median | depths at full batch | first draft accepted: resumed / later (steps) |"
+        "| ms per admission, mean / median | depths at full batch | first draft accepted: resumed / later (steps) "
+        "| ... before / at / after each resume (resumes) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in args.traces:
         steps = [r for r in iter_records(path) if r.get("t") == "step"]
         for p in points(steps, args.gap_ms):
@@ -105,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} "
                 f"| {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} "
                 f"| {', '.join(f'{k}: {v:.2f}' for k, v in d['depths'].items() if v >= 0.005)} "
-                f"| {d['resumed'][0]:.2f} ({d['resumed'][1]}) / {d['later'][0]:.2f} ({d['later'][1]}) |"
+                f"| {d['resumed'][0]:.2f} ({d['resumed'][1]}) / {d['later'][0]:.2f} ({d['later'][1]}) "
+                f"| {d['pairs'][1]:.2f} / {d['pairs'][2]:.2f} / {d['pairs'][3]:.2f} ({d['pairs'][0]}) |"
             )
     return 0
 
