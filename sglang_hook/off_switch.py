@@ -732,18 +732,15 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
     launch :class:`WarmResume` inserted: drafting resumes from its proposal.
     """
     whole, RESUME.whole_extend = RESUME.whole_extend, False
-    if (
-        whole
-        or getattr(worker, "speculative_num_steps", None) != 0
-        or batch.forward_mode.is_idle()
-        or args
-        or any(v is not None for v in kwargs.values())
-        or kv_verdict(worker)
-    ):
+    if whole or getattr(worker, "speculative_num_steps", None) != 0 or batch.forward_mode.is_idle():
         _flush_or_drop(worker)
         COUNTERS.warm_extends += whole
-        if getattr(worker, KV_VERDICT_MARK, ""):  # whole extends at every depth 0: proposals stay current
-            RESUME.enabled = False
+        return original(worker, batch, batch_result, *args, **kwargs)
+    if args or any(v is not None for v in kwargs.values()) or kv_verdict(worker):
+        # SGLang's whole extend at depth 0 here, and at every depth-0 step like it: the proposals
+        # stay current, so a resume needs no inserted step.
+        RESUME.enabled = False
+        _flush_or_drop(worker)
         return original(worker, batch, batch_result, *args, **kwargs)
     checking = COUNTERS.kv_checked < _CHECK.steps
     try:

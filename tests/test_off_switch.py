@@ -750,9 +750,13 @@ def test_a_warm_resume_step_runs_sglangs_whole_extend_after_what_is_owed(
     resume.whole_extend = True  # a worker whose KV-only update is refused runs whole extends anyway
     refused = draft_worker(model, SimpleNamespace(), steps=0)
     assert off_switch.draft_extend_hook(sglang, refused, *steps[3]) == "whole extend"
+    assert resume.enabled  # that was the inserted step; the next depth-0 step finds the refusal
     assert off_switch.draft_extend_hook(sglang, refused, *steps[3]) == "whole extend"
     assert not resume.enabled  # so nothing needs warming there: no more inserted steps
     assert resume.depth(0) == 0 and resume.depth(3) == 3
+    resume.enabled = True  # likewise a depth-0 extend called with what the KV-only update does not know
+    assert off_switch.draft_extend_hook(sglang, worker, *steps[3], kv_loc_plan=object()) == "whole extend"
+    assert not resume.enabled
 
 
 def test_a_prefill_right_before_drafting_resumes_gets_sglangs_extend(
