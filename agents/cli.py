@@ -98,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         help="the observation's definition (default: the current one, FEATURIZER_VERSION in "
         "controller/features.py): 7 does not read the first drafted step after depth 0 as acceptance "
-        "evidence (the off switch's resume loses its drafts; bench/resume_evidence.py compares)",
+        "evidence (an off switch resumed cold loses those drafts; bench/resume_evidence.py compares)",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train)

@@ -71,7 +71,8 @@ T = TypeVar("T")
 # 6: a folded acceptance estimate, tried on the H100 testbed (calls V and W) and not kept; the
 # number stays unused so that its zips cannot be served with another definition.
 # 7: a drafted record right after a depth-0 one is not acceptance evidence. With the hook's
-# off switch the first drafted step after depth 0 proposes from a stale hidden state and
+# off switch resumed cold (SPECDEPTH_OFF_RESUME=cold; its default resumes warm and loses
+# nothing) the first drafted step after depth 0 proposes from a stale hidden state and
 # accepts nothing (0 of 628 first draft tokens on the H100 testbed, 0.38 elsewhere): counted,
 # each probe reads as a bad drafter, and in the simulator with that loss and a decision applied
 # one step late goodput and PPO stopped drafting at 4-16 requests, where depth 3 ran 1.6x

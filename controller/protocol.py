@@ -135,7 +135,6 @@ class WarmResume:
         return depth
 
 
-
 class ProtocolError(Exception):
     """A frame that violates protocol v1. ``code`` is one of :data:`ERROR_CODES`."""
 

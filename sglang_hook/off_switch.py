@@ -151,9 +151,7 @@ class OffCounters:
 
 
 COUNTERS = OffCounters()
-
-
-RESUME = WarmResume()
+RESUME = WarmResume()  # the warm resume's state in this process (install() enables it under kv)
 _logged: set[str] = set()
 _plain_cls: dict[int, type] = {}
 

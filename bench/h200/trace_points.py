@@ -14,8 +14,8 @@ more than ``--gap-ms``), this prints:
   that counts its tokens), against two such decode steps; mean and median;
 - ``first draft accepted``: the share of requests whose first draft token was accepted, on the
   drafted steps right after a depth-0 step (a resume) and on the other drafted steps. With the
-  off switch's ``kv`` drafter the first proposal after a resume comes from a stale hidden state
-  (``bench/results/realgpu/offswitch/README.md``); ``controller fit`` reads it from the traces
+  off switch's ``kv`` drafter resumed cold the first proposal after a resume comes from a stale
+  hidden state (``bench/results/realgpu/offswitch/README.md``); ``controller fit`` reads it from the traces
   (``env.fit.resume_acceptance``); and, for the resumes whose depth-0 run has a drafted step
   before it and one after the resume, the same share on the step before, the resume and the
   step after (``resume_pairs``): the resumes against their neighbours, in the same phase of
