@@ -911,3 +911,12 @@ def test_trace_points_splits_points_and_reads_decode_admissions_and_depths(tmp_p
     assert trace_points.main([str(w.path), "--min-steps", "5"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| static-0-h200-off |")]
     assert len(rows) == 2 and rows[1].endswith("| 0: 0.67, 3: 0.33 | 1.00 (1) / 1.00 (3) | nan / nan / nan (0) |")
+
+    b = trace_points.by_batch(pts[1])  # by batch: the 4-wide steps fall in 1-16, admissions apart
+    assert b["steps"] == len(plan) and b["admissions"] == 1 and b["prefill_tokens"] == 8
+    assert b["admit_s"] == pytest.approx(8e-3) and b["time_s"] == pytest.approx((11 * 5 + 2 * 8) / 1e3)
+    assert b["decode_s"] == pytest.approx(b["time_s"] - 8e-3 - 5e-3)  # nor is the step after the admission
+    assert b["bands"][(1, 16)] == (pytest.approx(5.0), len(plan) - 2) and b["bands"][(97, 128)][1] == 0
+    assert trace_points.main([str(w.path), "--min-steps", "5", "--by-batch"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| static-0-h200-off |")]
+    assert len(rows) == 2 and rows[1].startswith(f"| static-0-h200-off | {len(plan)} | 0.07 | 0.06 | 1 | 0.01 | 8 | 5.00 (11) |")

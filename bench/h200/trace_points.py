@@ -22,8 +22,15 @@ more than ``--gap-ms``), this prints:
   the load and the mix. Cold (``SPECDEPTH_OFF_RESUME=cold``) the middle one is 0; warm, as its
   neighbours.
 
-Traces carry no plain server (it has no hook), so this compares policies of the hook server
-only. Usage: ``python bench/h200/trace_points.py TRACE.msgpack.gz [...]``.
+With ``--by-batch`` it prints instead, per point, where the whole run's step time went by the
+batch a step ran (an open-loop run has no full batch to speak of): the median decode step (no
+admission in it or the step before) in each batch band of :data:`BANDS`, and the steps that
+carry an admission: how many, their summed time, and the prefilled tokens. Two servers' runs of
+one trace then read side by side at equal batches.
+
+Traces carry no plain server unless it ran through the hook's launcher with a recording
+controller (``plain-rec`` in ``offswitch.KINDS``). Usage: ``python bench/h200/trace_points.py
+TRACE.msgpack.gz [...]``.
 """
 
 from __future__ import annotations
@@ -106,6 +113,42 @@ def describe(point: list[dict]) -> dict[str, Any]:
     }
 
 
+BANDS = ((1, 16), (17, 32), (33, 64), (65, 96), (97, 128), (129, 256))
+"""Batch bands of ``--by-batch`` (running requests, both ends included)."""
+
+
+def by_batch(point: list[dict]) -> dict[str, Any]:
+    """Where a run's step time went by batch (module docstring, ``--by-batch``)."""
+    us = [float(s["step_us"]) for s in point]
+    admit = [s["prefill_tokens"] > 0 for s in point]
+    clean = [i for i in range(len(point)) if not admit[i] and (i == 0 or not admit[i - 1])]
+    bands = {}
+    for lo, hi in BANDS:
+        band = [us[i] for i in clean if lo <= point[i]["bs"] <= hi]
+        bands[(lo, hi)] = (statistics.median(band) / 1e3, len(band)) if band else (float("nan"), 0)
+    return {
+        "steps": len(point),
+        "time_s": sum(us) / 1e6,
+        "decode_s": sum(us[i] for i in clean) / 1e6,
+        "admissions": sum(admit),
+        "admit_s": sum(u for u, a in zip(us, admit) if a) / 1e6,
+        "prefill_tokens": sum(s["prefill_tokens"] for s in point),
+        "bands": bands,
+    }
+
+
+def print_by_batch(rows: list[tuple[str, dict[str, Any]]]) -> None:
+    heads = " | ".join(f"decode ms at {lo}-{hi} (steps)" for lo, hi in BANDS)
+    print(f"| trace | steps | step time s | clean decode s | admission steps | their time s | prefilled tokens | {heads} |")
+    print("|---|" + "---|" * (6 + len(BANDS)))
+    for name, d in rows:
+        bands = " | ".join(f"{ms:.2f} ({n})" if n else "" for ms, n in d["bands"].values())
+        print(
+            f"| {name} | {d['steps']} | {d['time_s']:.2f} | {d['decode_s']:.2f} | {d['admissions']} "
+            f"| {d['admit_s']:.2f} | {d['prefill_tokens']} | {bands} |"
+        )
+
+
 def label(path: Path) -> str:
     """``<policy>-<instance>-<start ns>.msgpack.gz`` without its start (which names the
     controller run, not the server), so two servers' traces of one policy read apart."""
@@ -117,7 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("traces", nargs="+", type=Path)
     parser.add_argument("--gap-ms", type=float, default=150.0, help="idle time that separates two points")
     parser.add_argument("--min-steps", type=int, default=50, help="leave out shorter runs (priming, probes)")
+    parser.add_argument("--by-batch", action="store_true",
+                        help="where each run's step time went by batch band, and its admissions (open-loop runs)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.by_batch:
+        rows = []
+        for path in args.traces:
+            steps = [r for r in iter_records(path) if r.get("t") == "step"]
+            rows += [(label(path), by_batch(p)) for p in points(steps, args.gap_ms) if len(p) >= args.min_steps]
+        print_by_batch(rows)
+        return 0
     print(
         "| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions "
         "| ms per admission, mean / median | depths at full batch | first draft accepted: resumed / later (steps) "
