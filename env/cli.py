@@ -42,6 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="what the traced server's drafter did at depth 0 (its --spec-off-draft; kv is the hook's "
         "default); default: as the base deployment (kv; the committed example traces ran keep)",
     )
+    p.add_argument(
+        "--passes-from",
+        metavar="SIM_JSON",
+        help="keep this fit's pass terms (another server's, same GPU and model) and fit only the traces' "
+        "per-step overheads and admissions; for records that cannot tell passes from overheads, e.g. a "
+        "plain server's through the hook's launcher (with --off-draft skip: it has no drafter)",
+    )
     p.set_defaults(func=_cmd_fit)
 
     b = subparsers.add_parser(
@@ -72,10 +79,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def _cmd_fit(args: argparse.Namespace) -> int:
     from env.fit import fit_sim, predict_profile
+    from env.params import SimParams
 
     if args.predictions and not args.holdout:
         raise ConfigError("--predictions needs --holdout")
-    params, report = fit_sim(args.traces, args.profile, off_path=args.off_path, off_draft=args.off_draft)
+    base = None
+    if args.passes_from:
+        if args.profile:
+            raise ConfigError("--passes-from and --profile both give the pass terms: give one")
+        if not args.traces:
+            raise ConfigError("--passes-from needs --traces (the overheads to fit)")
+        base = SimParams.from_json(args.passes_from)
+    params, report = fit_sim(
+        args.traces, args.profile, base=base, off_path=args.off_path, off_draft=args.off_draft,
+        pin_passes=base is not None,
+    )  # fmt: skip
     params.to_json(args.out)
     report_path = Path(args.out).with_suffix(".report.json")
     report_path.write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")

@@ -287,7 +287,8 @@ def fit_step_latency(
 
     def make(z: np.ndarray) -> LatencyParams:
         terms = {name: float(v * unit) for (name, unit, active), v in zip(over, z[ng:]) if active}
-        return scale_classes(lp, groups, z[:ng], terms)
+        # pinned: the pass terms exactly as given (the solver's bounds leave them 1e-9 loose)
+        return scale_classes(lp, groups, np.zeros(ng) if overheads_only else z[:ng], terms)
 
     def resid(z: np.ndarray) -> np.ndarray:
         # Bounded: a wild trial point must not turn into inf/NaN (which stalls the SVD).
@@ -471,6 +472,7 @@ def fit_sim(
     base: SimParams | None = None,
     off_path: str | None = None,
     off_draft: str | None = None,
+    pin_passes: bool = False,
 ) -> tuple[SimParams, FitReport]:
     """Fit a simulator to a trace folder and/or latency-profile CSVs.
 
@@ -486,6 +488,11 @@ def fit_sim(
             key of :data:`env.latency.OFF_EXTEND`), so its depth-0 steps are read as the target
             plus that share of the drafter's extend; None keeps the base's (the bundled
             deployments price ``kv``, the hook's default).
+        pin_passes: keep ``base``'s pass terms and fit only the traces' per-step overheads and
+            admissions, as after a profile: ``base`` is another server's fit on the same GPU and
+            model. For a server whose records cannot separate the passes from the overheads,
+            e.g. the plain server's (one depth, no drafter), whose steps run the same target
+            passes as the speculative server's depth 0 around other scheduler work.
 
     Returns:
         The fitted :class:`SimParams` and a printable :class:`FitReport`.
@@ -523,6 +530,8 @@ def fit_sim(
         report.profile_mape_holdout = profile_mape(lp_ho, df[hold])
         lp, report.profile_mape_fit = fit_profile(df, lp)
         report.fitted.append("latency pass terms (profiles)")
+    elif pin_passes:
+        report.notes.append("latency: pass terms as the base fit's (pinned); overheads and admissions from the traces")
     else:
         report.notes.append(
             "latency: no profile; pass-term shape from the base deployment, scaled to the traces"
@@ -537,7 +546,7 @@ def fit_sim(
         report.n_steps = len(all_steps)
         fit_recs, hold_recs = _split(recs)
         fit_steps, hold_steps = _flat(fit_recs), _flat(hold_recs)
-        pinned = bool(profiles)  # a profile measured the pass terms: traces add the overheads
+        pinned = bool(profiles) or pin_passes  # the pass terms are measured or given: traces add the overheads
         lp_ho = fit_step_latency(lp, fit_steps, overheads_only=pinned)
         lp_ho, _ = fit_admission(lp_ho, fit_recs)
         report.step_mape_holdout = step_mape(lp_ho, hold_steps)
@@ -584,7 +593,7 @@ def fit_sim(
         if n_entries < 50:
             report.notes.append(
                 f"acceptance: {n_entries} accept entries at depth > 0 (traces without speculation?); "
-                "kept the published defaults (reference/acceptance.md)"
+                + ("kept the base fit's" if pin_passes else "kept the published defaults (reference/acceptance.md)")
             )
         else:
             if sum(c.sum() for c in counts_fit.values()) >= 50:

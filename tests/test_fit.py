@@ -173,6 +173,51 @@ def test_fit_traces_without_accept_lists_fall_back_and_say_so(tmp_path):
     assert report.accept_tv_fit is None
 
 
+def test_pinned_passes_fit_only_a_plain_servers_overheads_and_admissions(tmp_path, capsys):
+    """``fit_sim(pin_passes=True)`` (``controller fit --passes-from``): a server that runs the
+    deployment's passes at depth 0 with no drafter, its own per-step overhead and admission
+    cost. Given the deployment as the base, the fit keeps every pass term and recovers the two
+    costs from records that, unpinned, cannot tell them from the pass scales."""
+    from controller.traces import TraceWriter
+    from env.engine import Engine
+
+    base = load_deployment("h200-llama8b")
+    truth = replace(base, latency=replace(base.latency, off_extend=0.0, oh_us=base.latency.oh_us + 700.0, admit_us=4000.0))
+    for seed, c in ((0, 8), (1, 32), (2, 96)):  # the batch spread a plain server's records have
+        eng = Engine(truth, f"closed:{c}")
+        eng.reset(seed)
+        with TraceWriter(tmp_path, f"plain-{c}", start_ns=seed + 1) as w:
+            for _ in range(600):
+                rec = eng.step(0)
+                w.write(rec.to_wire(), rec.ts_ns)
+    params, report = fit_sim(str(tmp_path), [], base=base, off_draft="skip", pin_passes=True)
+    lp = params.latency
+    for name in ("t_fix_us", "w_us", "f_us_per_tok", "dec_kv_us_per_tok", "pf_scale", "d_w_us"):
+        assert getattr(lp, name) == getattr(base.latency, name), name
+    assert lp.oh_us == pytest.approx(truth.latency.oh_us, rel=0.05)
+    # the admission's three terms trade off along the records' steps: their sum is what is pinned
+    from controller.traces import step_records
+
+    no_admit = replace(lp, admit_us=0.0, admit_seq_us=0.0, admit_hide=0.0)
+    admitting = [s for steps in step_records(tmp_path).values() for s in steps if s.prefill_tokens > 0]
+    cost = [step_time_us(lp, s.bs, 0, s.ctx_tokens, s.prefill_tokens) - step_time_us(no_admit, s.bs, 0, s.ctx_tokens, s.prefill_tokens) for s in admitting]
+    assert len(admitting) > 100 and float(np.mean(cost)) == pytest.approx(4000.0, rel=0.15) and lp.off_extend == 0.0
+    assert report.step_mape_holdout is not None and report.step_mape_holdout < 3.0
+    assert any("pinned" in n for n in report.notes)
+    free, _ = fit_sim(str(tmp_path), [], base=base, off_draft="skip")
+    assert free.latency.t_fix_us != base.latency.t_fix_us  # unpinned, the passes move too
+
+    sim = tmp_path / "base.json"
+    base.to_json(sim)
+    out = tmp_path / "plain.json"
+    assert cli_main(["fit", "--traces", str(tmp_path), "--passes-from", str(sim), "--off-draft", "skip", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["latency"]["w_us"] == base.latency.w_us
+    assert cli_main(["fit", "--passes-from", str(sim), "--out", str(out)]) == 2
+    assert "--passes-from needs --traces" in capsys.readouterr().err
+    assert cli_main(["fit", "--traces", str(tmp_path), "--profile", str(PROFILE), "--passes-from", str(sim), "--out", str(out)]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
 def test_profile_missing_columns_and_bad_values_name_the_file(tmp_path):
     p = tmp_path / "p.csv"
     p.write_text("component,batch,q,median_ms\ntarget,1,1,5.0\n")

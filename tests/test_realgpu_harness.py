@@ -535,6 +535,15 @@ def test_the_replay_runs_plain_and_sglangs_rule_as_their_servers_run() -> None:
     got = {label: tok_s for label, _, _, tok_s in realgpu_sim.replay(params, points, 2, 2)}
     assert got["sglang-adaptive-default"] < 0.8 * got["static:0"] < 0.8 * got["plain"]
     assert got["static:0"] < got["plain"] < 1.1 * got["static:0"]
+    # --plain-sim: the plain server's own latency (a fit of its records) for plain and plain-rec
+    # only; here one whose steps cost 5 ms more
+    from dataclasses import replace
+
+    slow = replace(params.latency, oh_us=params.latency.oh_us + 5000.0)
+    points[(w, "plain-rec", 64)] = {1: 1000.0}
+    own = {label: tok_s for label, _, _, tok_s in realgpu_sim.replay(params, points, 2, 2, plain_latency=slow)}
+    assert own["plain"] == own["plain-rec"] < 0.7 * got["plain"]
+    assert own["static:0"] == got["static:0"] and own["sglang-adaptive-default"] == got["sglang-adaptive-default"]
 
 
 def test_the_replay_takes_the_fit_at_the_calls_share_of_documents() -> None:

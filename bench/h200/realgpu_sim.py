@@ -232,13 +232,23 @@ def at_cap(params: Any, call: argparse.Namespace) -> Any:
     return replace(params, engine=replace(engine, kv_budget_tokens=engine.plain_budget_for(call.max_total_tokens)))
 
 
-def policy_sim(policy: str) -> tuple[Callable[..., Any] | None, tuple[int, ...], dict[str, Any]]:
+PLAIN_SERVERS = ("plain", "plain-rec")
+"""The servers of their own that run no drafter: ``--plain-sim`` gives them their own latency."""
+
+
+def policy_sim(
+    policy: str, plain_latency: Any = None
+) -> tuple[Callable[..., Any] | None, tuple[int, ...], dict[str, Any]]:
     """How the simulator runs ``policy``: its factory (None: one it cannot run, e.g. a zip
-    that is not there), depths, and the server's latency overrides (:data:`SERVER_SIMS`)."""
+    that is not there), depths, and the server's latency overrides (:data:`SERVER_SIMS`).
+    ``plain_latency`` (``LatencyParams``, ``--plain-sim``): the plain server's own, for
+    :data:`PLAIN_SERVERS`; None prices them as the fit's depth 0 without a drafter."""
     from controller.errors import PolicyLoadError
     from controller.registry import make_factory
 
     spec, depths, server = SERVER_SIMS.get(policy, (policyswap.resolve(policy).spec, DEPTHS, {}))
+    if plain_latency is not None and policy in PLAIN_SERVERS:
+        server = {**plain_latency.to_dict(), **server}
     try:
         return make_factory(spec, depths), depths, server
     except PolicyLoadError:
@@ -269,9 +279,11 @@ def replay(
     call: argparse.Namespace | None = None,
     prefix_hit: float = 0.99,
     action_delay: int = ACTION_DELAY,
+    plain_latency: Any = None,
 ) -> list[tuple[str, int, list[float], float | None]]:
     """Each point's benchmark in the simulator: (policy, C, measured tok/s per repetition,
-    simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule)."""
+    simulated tok/s or None for a policy the simulator cannot run, e.g. SGLang's own rule);
+    ``plain_latency`` as :func:`policy_sim` takes it."""
     from env.runner import simulate
 
     call = call or call_args(None)
@@ -281,7 +293,7 @@ def replay(
     out: list[tuple[str, int, list[float], float | None]] = []
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         for (workload, policy, c), reps in sorted(points.items()):
-            factory, depths, server = policy_sim(policy)
+            factory, depths, server = policy_sim(policy, plain_latency)
             label = f"{policy} [{workload.split('-')[-1]}]" if "~" in workload else policy
             if factory is None:
                 out.append((label, c, list(reps.values()), None))
@@ -308,13 +320,14 @@ def simulate_open(
     traces: list[tuple[openloop.OpenSpec, Path]],
     seeds: int,
     action_delay: int = ACTION_DELAY,
+    plain_latency: Any = None,
 ) -> tuple[float, float] | None:
     """``policy`` over open traces in the simulator (``params`` as :func:`at_share` gave it):
     (tok/s, mean TPOT ms), each the mean over the traces and ``--seeds``; None for a policy it
     cannot run. ``traces``: each trace's spec and its :func:`write_arrivals` file."""
     from env.runner import simulate
 
-    factory, depths, server = policy_sim(policy)
+    factory, depths, server = policy_sim(policy, plain_latency)
     if factory is None:
         return None
     point = point_params(params, 0.0, server)  # cold: realgpu.py sends no open prompt before the trace
@@ -338,6 +351,7 @@ def replay_open(
     *,
     call: argparse.Namespace | None = None,
     action_delay: int = ACTION_DELAY,
+    plain_latency: Any = None,
 ) -> list[tuple[str, str, list[tuple[float, float]], tuple[float, float] | None]]:
     """Each open point's trace in the simulator: (policy, workload, measured (tok/s, mean TPOT
     ms) per repetition, simulated (tok/s, mean TPOT ms) or None for a policy it cannot run).
@@ -355,7 +369,7 @@ def replay_open(
             for spec in specs - set(files):
                 files[spec] = write_arrivals(spec, Path(tmp) / f"open-{len(files)}.csv")
             traces = [(spec, files[spec]) for spec in sorted(specs, key=repr)]
-            sim = simulate_open(params, policy, traces, seeds, action_delay)
+            sim = simulate_open(params, policy, traces, seeds, action_delay, plain_latency)
             out.append((policy, workload, [reps[r] for r in sorted(reps)], sim))
     return out
 
@@ -368,6 +382,7 @@ def predict_open(
     *,
     call: argparse.Namespace | None = None,
     action_delay: int = ACTION_DELAY,
+    plain_latency: Any = None,
 ) -> list[tuple[str, tuple[float, float] | None]]:
     """Each policy over the open trace ``spec`` (no call has run it): (policy, simulated
     (tok/s, mean TPOT ms) or None for a policy the simulator cannot run)."""
@@ -375,7 +390,7 @@ def predict_open(
     params = at_share(at_cap(params, call), call)
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         traces = [(spec, write_arrivals(spec, Path(tmp) / "open.csv"))]
-        return [(p, simulate_open(params, p, traces, seeds, action_delay)) for p in policies]
+        return [(p, simulate_open(params, p, traces, seeds, action_delay, plain_latency)) for p in policies]
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -445,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
         "depth-0 step, and the fit's resume loss taken out; as-fitted: as the fit says",
     )  # fmt: skip
     ap.add_argument(
+        "--plain-sim", type=Path, default=None,
+        help="the plain server's own fit (controller fit --traces <plain-rec's traces> --passes-from SIM "
+        "--off-draft skip): plain and plain-rec replay with its latency; default: the fit's depth 0 "
+        "without a drafter (the hook server's overheads and admissions)",
+    )  # fmt: skip
+    ap.add_argument(
         "--predict-open", type=lambda s: [p for p in s.split(",") if p], default=None, metavar="POLICIES",
         help="simulate the open stage's trace for these policies (comma list), with no measured CSV",
     )  # fmt: skip
@@ -480,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--call-args: once, or once per CSV ({len(args.csv)}); got {len(args.call_args)}")
     if args.ttft_points and len(args.call_args) > 1:
         ap.error("--ttft-points fits one call's request path: give one --call-args with it")
-    missing = [str(args.sim)] if not args.sim.is_file() else []
+    missing = [str(p) for p in (args.sim, args.plain_sim) if p is not None and not p.is_file()]
     missing += [str(p) for p in args.call_args if not p.is_file()]
     missing += [str(p) for p in args.ttft_points if not p.is_file()]
     missing += [str(p) for p in args.csv if not (p.is_file() or (p / "summary.csv").is_file())]
@@ -490,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SimParams.from_dict(json.loads(args.sim.read_text()))
     if args.resume == "warm":
         params = warm_resumed(params)
+    plain_latency = SimParams.from_json(args.plain_sim).latency if args.plain_sim else None
     # (the call's arguments, its CSVs): one group for every CSV, or one per CSV
     if len(args.call_args) > 1:
         groups = [(call_args(ca), [path]) for ca, path in zip(args.call_args, args.csv)]
@@ -527,8 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         if opened:
             try:
                 open_points = replay_open(
-                    params, opened, args.seeds, call=call, action_delay=args.action_delay
-                )
+                    params, opened, args.seeds, call=call, action_delay=args.action_delay,
+                    plain_latency=plain_latency,
+                )  # fmt: skip
             except ValueError as e:
                 print(f"realgpu_sim: {e}", file=sys.stderr)
                 return 2
@@ -540,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         points = replay(
             params, closed, args.seeds, args.requests_per_conc or int(call.requests_per_conc),
             exact=args.draws == "exact", call=call, prefix_hit=args.prefix_hit, action_delay=args.action_delay,
+            plain_latency=plain_latency,
         )  # fmt: skip
         for policy, c, reps, sim in points:
             real = float(np.mean(reps))
@@ -588,8 +612,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("|---|---|---|---|")
         predicted = predict_open(
-            params, args.predict_open, spec, args.seeds, call=call, action_delay=args.action_delay
-        )
+            params, args.predict_open, spec, args.seeds, call=call, action_delay=args.action_delay,
+            plain_latency=plain_latency,
+        )  # fmt: skip
         for policy, sim in predicted:
             if sim is None:
                 print(f"| {policy} | - | - | not simulated |")
