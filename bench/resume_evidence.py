@@ -73,8 +73,8 @@ def run(params: Any, spec: str, version: int | None, c: int, delay: int, seeds: 
     out = []
     for seed in range(seeds):
         policy = factory(depths)
-        if version is not None:  # a builtin reads the Featurizer version it is given
-            policy.featurizer_version = version
+        if version is not None:  # a builtin declares none: set, it reads as a VersionedPolicy
+            setattr(policy, "featurizer_version", version)  # noqa: B010
         workload = f"closed:{c}@n={max(16, 8 * c)}"
         out.append(
             simulate(params, workload, policy, depths=depths, seed=seed, action_delay=delay).throughput_tok_s
