@@ -232,7 +232,7 @@ def at_cap(params: Any, call: argparse.Namespace) -> Any:
     return replace(params, engine=replace(engine, kv_budget_tokens=engine.plain_budget_for(call.max_total_tokens)))
 
 
-PLAIN_SERVERS = ("plain", "plain-rec")
+PLAIN_SERVERS = tuple(name for name, sim in SERVER_SIMS.items() if sim is _PLAIN)
 """The servers of their own that run no drafter: ``--plain-sim`` gives them their own latency."""
 
 
