@@ -39,6 +39,7 @@ import argparse
 import statistics
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,21 @@ def resume_pairs(point: list[dict]) -> tuple[int, float, float, float]:
     return len(rows), *(statistics.fmean(r[k] for r in rows) for k in range(3))  # type: ignore[return-value]
 
 
+def clean_steps(point: list[dict]) -> list[int]:
+    """Indices of the decode steps with no admission in them or in the step before (under the
+    overlap scheduler an admission's time can land in the record before the one that counts its
+    tokens)."""
+    admit = [s["prefill_tokens"] > 0 for s in point]
+    return [i for i in range(len(point)) if not admit[i] and (i == 0 or not admit[i - 1])]
+
+
 def describe(point: list[dict]) -> dict[str, Any]:
     c = max(s["bs"] for s in point)
     tokens = [s["bs"] + sum(s["accept"]) for s in point]
     us = [float(s["step_us"]) for s in point]
     full = [i for i, s in enumerate(point) if s["bs"] >= 0.9 * c]
-    decode = [us[i] for i in full if point[i]["prefill_tokens"] == 0 and (i == 0 or point[i - 1]["prefill_tokens"] == 0)]
+    clean = set(clean_steps(point))
+    decode = [us[i] for i in full if i in clean]
     base = statistics.median(decode) if decode else float("nan")
     admits = [i for i in range(1, len(point)) if point[i]["prefill_tokens"] > 0 and point[i]["bs"] >= 0.9 * c]
     extra = [us[i] + us[i - 1] - 2 * base for i in admits]
@@ -121,7 +131,7 @@ def by_batch(point: list[dict]) -> dict[str, Any]:
     """Where a run's step time went by batch (module docstring, ``--by-batch``)."""
     us = [float(s["step_us"]) for s in point]
     admit = [s["prefill_tokens"] > 0 for s in point]
-    clean = [i for i in range(len(point)) if not admit[i] and (i == 0 or not admit[i - 1])]
+    clean = clean_steps(point)
     bands = {}
     for lo, hi in BANDS:
         band = [us[i] for i in clean if lo <= point[i]["bs"] <= hi]
@@ -155,6 +165,13 @@ def label(path: Path) -> str:
     return start_key(path)[1]
 
 
+def runs(paths: list[Path], gap_ms: float, min_steps: int) -> Iterator[tuple[str, list[dict]]]:
+    """(label, steps) of every run of at least ``min_steps`` steps in the traces, in order."""
+    for path in paths:
+        steps = [r for r in iter_records(path) if r.get("t") == "step"]
+        yield from ((label(path), p) for p in points(steps, gap_ms) if len(p) >= min_steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+", type=Path)
@@ -164,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where each run's step time went by batch band, and its admissions (open-loop runs)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.by_batch:
-        rows = []
-        for path in args.traces:
-            steps = [r for r in iter_records(path) if r.get("t") == "step"]
-            rows += [(label(path), by_batch(p)) for p in points(steps, args.gap_ms) if len(p) >= args.min_steps]
-        print_by_batch(rows)
+        print_by_batch([(name, by_batch(p)) for name, p in runs(args.traces, args.gap_ms, args.min_steps)])
         return 0
     print(
         "| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions "
@@ -176,20 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         "| ... before / at / after each resume (resumes) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for path in args.traces:
-        steps = [r for r in iter_records(path) if r.get("t") == "step"]
-        for p in points(steps, args.gap_ms):
-            if len(p) < args.min_steps:
-                continue
-            d = describe(p)
-            print(
-                f"| {label(path)} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
-                f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} "
-                f"| {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} "
-                f"| {', '.join(f'{k}: {v:.2f}' for k, v in d['depths'].items() if v >= 0.005)} "
-                f"| {d['resumed'][0]:.2f} ({d['resumed'][1]}) / {d['later'][0]:.2f} ({d['later'][1]}) "
-                f"| {d['pairs'][1]:.2f} / {d['pairs'][2]:.2f} / {d['pairs'][3]:.2f} ({d['pairs'][0]}) |"
-            )
+    for name, p in runs(args.traces, args.gap_ms, args.min_steps):
+        d = describe(p)
+        print(
+            f"| {name} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
+            f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} "
+            f"| {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} "
+            f"| {', '.join(f'{k}: {v:.2f}' for k, v in d['depths'].items() if v >= 0.005)} "
+            f"| {d['resumed'][0]:.2f} ({d['resumed'][1]}) / {d['later'][0]:.2f} ({d['later'][1]}) "
+            f"| {d['pairs'][1]:.2f} / {d['pairs'][2]:.2f} / {d['pairs'][3]:.2f} ({d['pairs'][0]}) |"
+        )
     return 0
 
 
