@@ -4,6 +4,7 @@ which servers and policies a call runs, and the report's ratios and criteria."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import csv
 import itertools
@@ -40,8 +41,9 @@ DEPTHS = realgpu.DEPTHS
 class Hook:
     """The hook's side as the scheduler drives it: a ControllerClient fed one step per decode."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.client = ControllerClient(endpoint, Hello("h200-off", DEPTHS), stale_ms=200)
+    def __init__(self, endpoint: str, instance: str = "h200-off") -> None:
+        self.instance = instance
+        self.client = ControllerClient(endpoint, Hello(instance, DEPTHS), stale_ms=200)
         self.seq = itertools.count(1)
         self.depth = 0  # the depth the last step ran with: the decision, else the fallback (0)
 
@@ -49,7 +51,7 @@ class Hook:
         accept = [1, 0] if self.depth else []
         self.client.send_step(
             Step(
-                "h200-off", next(self.seq), self.depth, 2, 0, accept, 8000, 600, 0.01, 0, time.monotonic_ns()
+                self.instance, next(self.seq), self.depth, 2, 0, accept, 8000, 600, 0.01, 0, time.monotonic_ns()
             )
         )
         time.sleep(0.005)
@@ -67,6 +69,15 @@ class Hook:
             if self.depth == depth:
                 return True
         return False
+
+    def answered(self, timeout_s: float = 10.0) -> bool:
+        """Whether a decision answers the last step within ``timeout_s``, sending no more steps
+        (a loaded machine may take longer than ``stale_ms`` to answer one)."""
+        end = time.monotonic() + timeout_s
+        while self.client.fresh_depth() is None and time.monotonic() < end:
+            time.sleep(0.005)
+            self.client.poll_decision()
+        return self.client.fresh_depth() is not None
 
 
 @pytest.mark.slow
@@ -108,7 +119,8 @@ def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_trace
         assert fit.stopped["policy"] == "bandit" and int(fit.stopped["steps"]) > 0  # type: ignore[call-overload]
         assert hook.client.policy == "goodput-fit"
         hook.poke()
-        assert hook.client.counters["decisions"] > 0 and hook.client.fresh_depth() in DEPTHS
+        assert hook.answered() and hook.client.counters["decisions"] > 0
+        assert hook.client.fresh_depth() in DEPTHS
         assert swap.stop()["steps"] > 0  # type: ignore[operator]
     finally:
         swap.stop()
@@ -133,6 +145,47 @@ def test_swap_moves_the_hook_from_controller_to_controller_and_packs_their_trace
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow
+def test_a_swap_on_one_server_leaves_the_trace_another_server_still_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two hook servers in one call, with offswitch's own wiring: a swap on `off` must not pack
+    # the file that plain-rec's controller is still writing (a file is packed once: what came
+    # after was lost, call AG's plain-rec repetition 71).
+    monkeypatch.setattr(offswitch.run, "RES", tmp_path / "res")  # the controllers' logs
+    pack = policyswap.TracePack(tmp_path / "traces", tmp_path)
+    hooks, swaps = {}, {}
+    for port, label in enumerate(("plain-rec", "off"), 30000):
+        server = offswitch.Server(label, offswitch.KINDS[label], port, argparse.Namespace())
+        server.endpoint = f"ipc://{tmp_path}/{label}.sock"
+        hooks[label] = Hook(server.endpoint, f"h200-{label}")
+        swaps[label] = server.controller_swap(pack)
+        swaps[label].poke = hooks[label].poke  # no SGLang here: the hook's steps come from the test
+    rec, off = hooks["plain-rec"], hooks["off"]
+    try:
+        assert swaps["plain-rec"].use("static:0").live and swaps["off"].use("static:0").live
+        rec.poke()
+        assert swaps["off"].use("static:3").live  # packs off's static:0
+        assert off.until(3)
+        rec.poke()  # plain-rec's controller still writes the file it opened first
+        sent = next(rec.seq) - 1
+    finally:
+        for swap in swaps.values():
+            swap.stop()
+        for hook in hooks.values():
+            hook.client.close()
+    assert pack.n == 3 and pack.add_new() == 0  # each file packed once, by its own server's swap
+    with tarfile.open(tmp_path / "traces.tar") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    seqs = {
+        r["seq"]
+        for f in (tmp_path / "unpacked/traces").iterdir()
+        for r in iter_records(f)
+        if r["t"] == "step" and r["instance"] == "h200-plain-rec"
+    }
+    assert sent in seqs  # the last step, sent after off's swap packed, is in the trace
 
 
 def test_policy_names_map_to_what_runs() -> None:

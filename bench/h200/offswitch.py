@@ -149,11 +149,13 @@ class Server(run.Server):
 
     def controller_swap(self, pack: policyswap.TracePack) -> policyswap.ControllerSwap:
         """One controller at a time on this hook server's endpoint, its traces recorded under
-        ``pack.records`` and packed as each controller stops."""
+        ``pack.records/<label>`` and packed as each controller stops (that folder only: another
+        server's controller may still be writing its own)."""
+        records = pack.records / self.spec.label
         return policyswap.ControllerSwap(
-            self.endpoint, run.RES, pack.records, run._env(),
+            self.endpoint, run.RES, records, run._env(),
             poke=lambda: run_load(self.url, LoadSpec(1, 1, 64, 16, seed=999), timeout_s=30),
-            label=self.spec.label, on_stop=pack.add_new,
+            label=self.spec.label, on_stop=lambda: pack.add_new(records),
         )  # fmt: skip
 
     def argv(self) -> list[str]:

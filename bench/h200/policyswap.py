@@ -284,9 +284,13 @@ class TracePack:
         self.done: set[Path] = set()
         self.n = 0
 
-    def add_new(self) -> int:
-        """Pack the files not packed yet (call it only while no controller writes)."""
-        new = sorted(p for p in self.records.glob("*/*.msgpack") if p not in self.done)
+    def add_new(self, under: Path | None = None) -> int:
+        """Pack the files under ``under`` (default: ``records``) not packed yet. Call it only
+        while no controller writes there: a file packed is never packed again, so one packed
+        while its controller still writes loses what comes after. Each server's controllers
+        therefore record into a folder of their own (``records/<server>/<policy>/``), and a
+        swap packs that folder alone."""
+        new = sorted(p for p in (under or self.records).rglob("*.msgpack") if p not in self.done)
         if not new:
             return 0
         tar_path, n = self.out / "traces.tar", 1
