@@ -982,3 +982,49 @@ def test_trace_points_splits_points_and_reads_decode_admissions_and_depths(tmp_p
     assert trace_points.main([str(w.path), "--min-steps", "5", "--by-batch"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| static-0-h200-off |")]
     assert len(rows) == 2 and rows[1].startswith(f"| static-0-h200-off | {len(plan)} | 0.07 | 0.06 | 1 | 0.01 | 8 | 5.00 (11) |")
+
+
+def test_keep_call_writes_the_summary_the_points_without_hashes_and_the_trace_tables(tmp_path: Path, capsys) -> None:
+    """``keep_call``: a returned call folder as the device gives it (``summary.csv``,
+    ``offswitch.json``, ``traces.tar`` packed by the harness's own ``TracePack``) becomes three
+    files to commit; a second keep under the same name is refused, and a folder that is not a
+    call is named in the error."""
+    import keep_call
+
+    from controller.traces import TraceWriter
+
+    call = tmp_path / "call"
+    call.mkdir()
+    summary = "workload,concurrency,policy,rep,tok_s,tpot_ms_mean,tpot_ms_p99,failed\nopen,0,static:0,66,3122.0,13.12,40.1,0\n"
+    (call / "summary.csv").write_text(summary)
+    point = {"workload": "open", "policy": "static:0", "rep": 66, "tok_s": 3122.0, "out_hash": ["ab12"] * 500}
+    (call / "offswitch.json").write_text(json.dumps({"device": "H100", "points": [point], "resume": {"held": 1.66}}))
+    records = tmp_path / "records" / "off"
+    w = TraceWriter(records / "static-0", "static-0-h200-off", start_ns=1796530651324039943)
+    for i in range(60):  # one run of 60 decode steps at batch 64, an admission every 20th
+        ts = int((i + 1) * 8e6)
+        w.write({"t": "step", "ts_ns": ts, "step_us": 7_500, "bs": 64, "depth": 0, "accept": [],
+                 "prefill_tokens": 256 if i % 20 == 10 else 0}, ts)  # fmt: skip
+    w.close()
+    assert policyswap.TracePack(tmp_path / "records", call).add_new() == 1
+
+    into = tmp_path / "kept"
+    assert keep_call.main([str(call), "--into", str(into), "--name", "open-x", "--gap-ms", "1000"]) == 0
+    assert (into / "call-open-x.csv").read_text() == summary
+    kept = json.loads((into / "points-open-x.json").read_text())
+    assert kept["points"] == [{k: v for k, v in point.items() if k != "out_hash"}]
+    assert kept["device"] == "H100" and kept["resume"] == {"held": 1.66}
+    tables = (into / "traces-open-x.md").read_text()
+    assert "1 trace files from traces.tar" in tables and "--gap-ms 1000 --min-steps 50 --by-batch" in tables
+    # TracePack names a file by its policy folder and the controller's file name
+    rows = [r for r in tables.splitlines() if r.startswith("| static-0-static-0-h200-off |")]
+    assert len(rows) == 2 and rows[0].startswith("| static-0-static-0-h200-off | 64 | 60 | 8533 |")  # C, steps
+    assert "| 3 | 0.02 | 768 |" in rows[1] and "| 7.50 (54) |" in rows[1]  # by batch: admissions apart
+    assert "kept" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as again:  # the same name again: refused, nothing replaced
+        keep_call.main([str(call), "--into", str(into), "--name", "open-x"])
+    assert again.value.code == 2 and "already kept" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as wrong:
+        keep_call.main([str(tmp_path / "records"), "--into", str(into), "--name", "y"])
+    assert wrong.value.code == 2 and "summary.csv not found" in capsys.readouterr().err
