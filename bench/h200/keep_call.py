@@ -53,13 +53,18 @@ def trace_tables(tars: list[Path], gap_ms: float, min_steps: int) -> str:
             with tarfile.open(tar) as t:
                 t.extractall(tmp, filter="data")
         files = sorted(Path(tmp).rglob("*.msgpack*"))
-        out = [f"{len(files)} trace files from {', '.join(t.name for t in tars)}.", ""]
-        for extra in ([], ["--by-batch"]):
-            args = ["--gap-ms", f"{gap_ms:g}", "--min-steps", str(min_steps), *extra]
-            printed = io.StringIO()
-            with contextlib.redirect_stdout(printed):
-                trace_points.main([*map(str, files), *args])
-            out += [f"    python bench/h200/trace_points.py <traces> {' '.join(args)}", "", printed.getvalue()]
+        found = list(trace_points.runs(files, gap_ms, min_steps))  # read once, for both tables
+    out = [f"{len(files)} trace files from {', '.join(t.name for t in tars)}.", ""]
+    tables = (  # (the flags that print it, its printer, each point's figures)
+        ([], trace_points.print_points, trace_points.describe),
+        (["--by-batch"], trace_points.print_by_batch, trace_points.by_batch),
+    )
+    for extra, print_table, figures in tables:
+        args = ["--gap-ms", f"{gap_ms:g}", "--min-steps", str(min_steps), *extra]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_table([(name, figures(p)) for name, p in found])
+        out += [f"    python bench/h200/trace_points.py <traces> {' '.join(args)}", "", printed.getvalue()]
     return "\n".join(out)
 
 
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         targets["traces"].write_text(f"# Step records of call {args.name}\n\n" + trace_tables(tars, args.gap_ms, args.min_steps))
     for k in wanted:
         print(f"kept {targets[k]} ({targets[k].stat().st_size:,} bytes)")
-    missing = [n for n, ok in (("offswitch.json", points.is_file()), ("traces*.tar", bool(tars))) if not ok]
+    missing = [name for k, name in (("points", "offswitch.json"), ("traces", "traces*.tar")) if k not in wanted]
     if missing:
         print(f"not in the call: {', '.join(missing)}")
     return 0

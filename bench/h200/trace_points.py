@@ -147,7 +147,27 @@ def by_batch(point: list[dict]) -> dict[str, Any]:
     }
 
 
+def print_points(rows: list[tuple[str, dict[str, Any]]]) -> None:
+    """The default table: one row per point, :func:`describe`'s figures."""
+    print(
+        "| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions "
+        "| ms per admission, mean / median | depths at full batch | first draft accepted: resumed / later (steps) "
+        "| ... before / at / after each resume (resumes) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, d in rows:
+        print(
+            f"| {name} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
+            f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} "
+            f"| {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} "
+            f"| {', '.join(f'{k}: {v:.2f}' for k, v in d['depths'].items() if v >= 0.005)} "
+            f"| {d['resumed'][0]:.2f} ({d['resumed'][1]}) / {d['later'][0]:.2f} ({d['later'][1]}) "
+            f"| {d['pairs'][1]:.2f} / {d['pairs'][2]:.2f} / {d['pairs'][3]:.2f} ({d['pairs'][0]}) |"
+        )
+
+
 def print_by_batch(rows: list[tuple[str, dict[str, Any]]]) -> None:
+    """The ``--by-batch`` table: one row per point, :func:`by_batch`'s figures."""
     heads = " | ".join(f"decode ms at {lo}-{hi} (steps)" for lo, hi in BANDS)
     print(f"| trace | steps | step time s | clean decode s | admission steps | their time s | prefilled tokens | {heads} |")
     print("|---|" + "---|" * (6 + len(BANDS)))
@@ -180,25 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--by-batch", action="store_true",
                         help="where each run's step time went by batch band, and its admissions (open-loop runs)")  # fmt: skip
     args = parser.parse_args(argv)
+    found = runs(args.traces, args.gap_ms, args.min_steps)
     if args.by_batch:
-        print_by_batch([(name, by_batch(p)) for name, p in runs(args.traces, args.gap_ms, args.min_steps)])
-        return 0
-    print(
-        "| trace | C | steps | tok/s | at full batch: tok/s | share of time | decode ms | admissions "
-        "| ms per admission, mean / median | depths at full batch | first draft accepted: resumed / later (steps) "
-        "| ... before / at / after each resume (resumes) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, p in runs(args.traces, args.gap_ms, args.min_steps):
-        d = describe(p)
-        print(
-            f"| {name} | {d['c']} | {d['steps']} | {d['tok_s']:.0f} | {d['full_tok_s']:.0f} "
-            f"| {d['full_share']:.2f} | {d['decode_ms']:.1f} | {d['admissions']} "
-            f"| {d['admit_ms']:.1f} / {d['admit_p50_ms']:.1f} "
-            f"| {', '.join(f'{k}: {v:.2f}' for k, v in d['depths'].items() if v >= 0.005)} "
-            f"| {d['resumed'][0]:.2f} ({d['resumed'][1]}) / {d['later'][0]:.2f} ({d['later'][1]}) "
-            f"| {d['pairs'][1]:.2f} / {d['pairs'][2]:.2f} / {d['pairs'][3]:.2f} ({d['pairs'][0]}) |"
-        )
+        print_by_batch([(name, by_batch(p)) for name, p in found])
+    else:
+        print_points([(name, describe(p)) for name, p in found])
     return 0
 
 
