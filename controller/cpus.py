@@ -1,8 +1,7 @@
 """How many CPUs this process may use: its affinity mask, capped by a cgroup CPU quota.
 
-Shared by the service (hybrid polling needs a core for ZeroMQ's I/O thread besides the one it
-polls on) and the SGLang hook (a client thread only where the scheduler has CPUs to spare), so
-it imports only the standard library.
+The service's hybrid polling needs a core for ZeroMQ's I/O thread besides the one it polls
+on. Only the standard library is imported.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ ENV_INSTANCE = "SPECDEPTH_INSTANCE"
 ENV_CLIENT_THREAD = "SPECDEPTH_CLIENT_THREAD"
 ENV_CLIENT_TICK_MS = "SPECDEPTH_CLIENT_TICK_MS"
 ENV_SINGLE_RANK = "SPECDEPTH_SINGLE_RANK"
-AUTO_THREAD_MIN_CPUS = 4  # --spec-client-thread auto: fewer, and the thread slows the scheduler
 
 DEFAULT_STALE_MS = 200.0
 # The client thread looks at its queue every this many ms while records flow, so handing a
@@ -49,11 +48,13 @@ class HookConfig:
         stale_ms: once a step has waited this long for its decision, fall back (until decisions flow again).
         instance: replica name sent in ``hello``; empty = derived from host and port.
         client_thread: the controller's socket on a thread of its own, so the scheduler
-            thread only hands records over (~60 µs less on it per step on the H200 host, but
-            the thread competes for the GIL: a CPU-bound scheduler got slower); ``False`` =
-            the scheduler thread sends and drains itself; ``None`` (default, ``auto``) = on
-            where SGLang speculates and the scheduler has at least
-            :data:`AUTO_THREAD_MIN_CPUS` CPUs, else off (:func:`auto_client_thread`).
+            thread only hands records over (40-60 µs less on it per step at p50 on the H200
+            host); ``False`` = the scheduler thread sends and drains itself; ``None``
+            (default, ``auto``) = inline, as ``False``. The thread needs the GIL to build,
+            pack and drain, and wakes every ``client_tick_ms``: on an H100 an EAGLE-3 server
+            held at depth 0, whose scheduler is bound by its launches, ran 1.6-4.4% slower
+            with it than inline, in 7 of 9 interleaved repetitions, the time lost in the
+            admissions (``bench/results/realgpu/h100/offswitch-kv/README.md``, call AI).
         client_tick_ms: with the client thread, how often it looks at its queue while records
             flow (the scheduler's hand-over is then a bare append); 0 = the scheduler wakes it
             for every record.
@@ -208,16 +209,3 @@ def parse_auto_on_off(text: str, flag: str) -> bool | None:
     if value in ("off", "0", "false", "no"):
         return False
     raise ConfigError(f"{flag} {text!r}: expected auto, on or off")
-
-
-def auto_client_thread(speculative: bool, cpus: float) -> bool:
-    """``--spec-client-thread auto``: a client thread only where it was measured to help.
-
-    On the H200 host (EAGLE-3, 16 CPUs) the thread took the hook's time on the scheduler thread
-    from ~72 to ~15 µs per step (p50) and left step times unchanged. On a 2-CPU box the thread made
-    a CPU-bound scheduler's steps 17-31% slower: it competes with torch's threads for the cores
-    and for the GIL. Without speculation there is no decision to wait for either. ``cpus`` is
-    :func:`controller.cpus.usable_cpus`: the affinity mask, capped by a cgroup CPU quota (a
-    quota of 2 CPUs on a 16-core mask makes the threads compete as on a 2-CPU box).
-    """
-    return speculative and cpus >= AUTO_THREAD_MIN_CPUS

@@ -241,10 +241,9 @@ hook options (everything else goes to sglang.launch_server unchanged):
   --spec-client-thread auto|on|off
                               on: a thread of its own talks to the controller, and the
                               scheduler thread only hands records over (less time on it, but
-                              the thread competes for the GIL and the cores); off: the
-                              scheduler thread sends and drains itself; auto (default): on
-                              when SGLang speculates and the scheduler has 4 or more CPUs
-                              (see docs/hook.md "Cost")
+                              the thread takes the GIL from a scheduler bound by its
+                              launches); off: the scheduler thread sends and drains itself;
+                              auto (default): off (see docs/hook.md "Cost")
   --spec-off-path plain|sglang
                               what depth 0 runs: plain (default) = the target's plain decode
                               with decode CUDA graphs (the off switch); sglang = SGLang's own

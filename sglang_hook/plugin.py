@@ -34,12 +34,11 @@ import socket
 import time
 from typing import Any
 
-from controller.cpus import usable_cpus
 from controller.errors import ConfigError
 from controller.protocol import MAX_STEP_US, Hello, Step
 from sglang_hook import compat, off_switch
 from sglang_hook.actuator import ActuatorState, DepthSync, TpSync, log_once, wrap_controller_params
-from sglang_hook.config import HookConfig, auto_client_thread
+from sglang_hook.config import HookConfig
 from sglang_hook.profiler import HookProfiler
 
 logger = logging.getLogger("sglang_hook")
@@ -138,10 +137,8 @@ class HookRuntime:
             client = ControllerClient(self.config.endpoint, hello, stale_ms=self.config.stale_ms)
             thread = self.config.client_thread
             why = f"--spec-client-thread {'on' if thread else 'off'}"
-            if thread is None:
-                cpus = usable_cpus()
-                thread = auto_client_thread(spec_on, cpus)
-                why = f"auto: speculation {'on' if spec_on else 'off'}, {cpus:g} CPUs"
+            if thread is None:  # auto: inline (HookConfig.client_thread says why)
+                thread, why = False, "auto"
             mode = "on" if thread else "off"
             if thread:
                 tick = self.config.client_tick_ms

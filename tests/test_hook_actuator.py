@@ -654,19 +654,18 @@ def test_inline_client_without_speculation_drains_only_now_and_then() -> None:
 
 
 @pytest.mark.parametrize(
-    ("speculative", "cpus", "flag", "want"),
+    ("speculative", "flag", "want"),
     [
-        (True, 16, None, "ClientThread"),
-        (True, 2, None, "InlineClient"),
-        (False, 16, None, "InlineClient"),
-        (False, 2, True, "ClientThread"),
-        (True, 16, False, "InlineClient"),
+        (True, None, "InlineClient"),
+        (False, None, "InlineClient"),
+        (True, True, "ClientThread"),
+        (False, True, "ClientThread"),
+        (True, False, "InlineClient"),
     ],
 )
-def test_client_thread_auto_follows_speculation_and_cpus(
-    monkeypatch: pytest.MonkeyPatch, speculative: bool, cpus: int, flag: bool | None, want: str
-) -> None:
-    monkeypatch.setattr(plugin, "usable_cpus", lambda: cpus)
+def test_the_client_runs_inline_unless_its_thread_is_asked_for(speculative: bool, flag: bool | None, want: str) -> None:
+    # auto is inline wherever SGLang runs: a thread that wakes every millisecond for the GIL
+    # slowed a launch-bound EAGLE-3 scheduler on the H100 (call AI).
     rt = plugin.HookRuntime(
         HookConfig(endpoint="ipc:///tmp/hook-none.sock", client_thread=flag), compat.Ranks()
     )

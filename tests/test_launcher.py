@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -70,16 +69,6 @@ def test_client_thread_flag_reaches_the_schedulers_environment(tmp_path) -> None
     # What the scheduler processes read back is what the flag said.
     for config in (default, on, off):
         assert HookConfig.from_env(config.to_env()) == config
-
-
-def test_auto_client_thread_only_where_speculation_runs_on_enough_cpus() -> None:
-    from controller.cpus import usable_cpus
-    from sglang_hook.config import AUTO_THREAD_MIN_CPUS, auto_client_thread
-
-    assert auto_client_thread(True, AUTO_THREAD_MIN_CPUS)
-    assert not auto_client_thread(True, AUTO_THREAD_MIN_CPUS - 1)
-    assert not auto_client_thread(False, 64)
-    assert 0 < usable_cpus() <= (os.cpu_count() or 1)
 
 
 def test_off_switch_flags_reach_the_schedulers_environment(tmp_path) -> None:

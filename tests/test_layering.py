@@ -14,7 +14,7 @@ base            controller.features, .policy (the interface), .traces,      prot
 policies        controller.baselines, .ppo_policy, .registry                base and below
 service         controller.service, .polling, .metrics                      policies and below
 hook            sglang_hook.* (runs inside SGLang)                          controller.protocol,
-                                                                            .errors, .cpus only
+                                                                            .errors only
 simulator       env.*                                                       policies and below
 agents          agents.* (training, evaluation, the demo)                   everything but cli
 cli             controller.cli                                              everything
@@ -63,7 +63,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "agents": _BELOW_POLICIES | {"service", "hook", "simulator"},
     "cli": set(LAYERS),
 }
-HOOK_MAY_IMPORT = {"controller.protocol", "controller.errors", "controller.cpus"}
+HOOK_MAY_IMPORT = {"controller.protocol", "controller.errors"}
 HOOK_THIRD_PARTY = {"zmq", "msgpack", "numpy", "sglang"}
 
 

@@ -17,10 +17,11 @@ Servers (``--servers``):
              (``SPECDEPTH_OFF_DRAFT_CHECK``).
   off-keep   the same, the drafter's whole extend kept at depth 0 (``--spec-off-draft keep``).
   off-skip   the same, the drafter's extend skipped at depth 0 (``--spec-off-draft skip``).
-  off-inline ``off`` with the hook's client on the scheduler thread (``--spec-client-thread off``),
-             not on a thread of its own.
-  off-tick0  ``off`` with the client thread woken per record (``SPECDEPTH_CLIENT_TICK_MS=0``), not
-             looking at its queue every millisecond.
+  off-inline ``off`` with the hook's client on the scheduler thread asked for by name
+             (``--spec-client-thread off``), which is its default.
+  off-thread ``off`` with the client on a thread of its own (``--spec-client-thread on``), which
+             looks at its queue every millisecond while records flow.
+  off-tick0  ``off-thread`` woken per record instead (``SPECDEPTH_CLIENT_TICK_MS=0``).
   off-cold   ``off`` with drafting resumed at once from the stub proposal
              (``SPECDEPTH_OFF_RESUME=cold``), not after one more depth-0 step.
   legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
@@ -127,13 +128,16 @@ KINDS = {
     # kv with drafting resumed at once from the zeroed proposal (the default until 2026-12-06):
     # its first drafted step after depth 0 accepts nothing
     "off-cold": Kind("static:0-cold", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_RESUME", "cold"))),
-    # ``off`` with the hook's client inline on the scheduler thread (``--spec-client-thread
-    # off``): on the H100 (call AH) the spec server's GPU idled 1.0 ms a step more than the plain
-    # one's, waiting for the host, and the client thread takes the GIL 128-156 µs a step
+    # ``off`` with the hook's client inline on the scheduler thread, named: the default since
+    # call AI (2026-12-07), where it ran against ``off`` with the client thread, then the default
     "off-inline": Kind("static:0-inline", True, (*KV_FLAGS, "--spec-client-thread", "off"), env=(KV_CHECK,)),
-    # ``off`` with the client thread woken per record (``SPECDEPTH_CLIENT_TICK_MS=0``) instead
-    # of looking at its queue every 1 ms: fewer takes of the GIL a step
-    "off-tick0": Kind("static:0-tick0", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_CLIENT_TICK_MS", "0"))),
+    # ``off`` with the client on a thread of its own that looks at its queue every 1 ms (the
+    # default until call AI), and woken per record instead (``SPECDEPTH_CLIENT_TICK_MS=0``)
+    "off-thread": Kind("static:0-thread", True, (*KV_FLAGS, "--spec-client-thread", "on"), env=(KV_CHECK,)),
+    "off-tick0": Kind(
+        "static:0-tick0", True, (*KV_FLAGS, "--spec-client-thread", "on"),
+        env=(KV_CHECK, ("SPECDEPTH_CLIENT_TICK_MS", "0")),
+    ),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
