@@ -323,9 +323,10 @@ class ClientThread:
     at p50 on the H200 host (cold caches, and syscalls to wake ZeroMQ's I/O thread and to read
     its mailbox); the hand-over costs 1.6 µs ticking, 4.6 µs woken per record. The cost is the
     GIL: the sender thread needs it to build and pack the record and decode the reply, and
-    takes it whenever the scheduler releases it around a torch call. On the H200 that left
-    step times unchanged; on a CPU-bound 2-CPU scheduler it made steps slower, so the hook
-    uses it only where SGLang speculates on >= 4 CPUs (``docs/hook.md`` "Cost").
+    takes it whenever the scheduler releases it around a torch call. Where the GPU set the
+    pace (the H200, drafting) that left step times unchanged; where the scheduler sets it (a
+    CPU scheduler, an EAGLE-3 server at depth 0 on an H100) the server ran slower, so the
+    hook runs it only when asked (``--spec-client-thread on``; ``docs/hook.md`` "Cost").
 
     Args:
         client: a connected client, handed over: from now on only the sender thread uses it.
@@ -496,8 +497,8 @@ class InlineClient:
     record, on the caller's thread; :meth:`refresh` (the hook calls it at the top of every
     scheduler iteration) drains only when the last drain is ``refresh_after_ns`` old, and
     judges freshness every time. Nothing else in the process competes with the caller for
-    the GIL, which on a CPU-bound scheduler costs less than the thread's hand-over saves
-    (``docs/hook.md`` "Cost").
+    the GIL, which on a scheduler bound by its own work costs less than the thread's
+    hand-over saves (``docs/hook.md`` "Cost"). The hook's default.
 
     Args:
         client: a connected client, used from the caller's thread only.

@@ -18,10 +18,11 @@ Hooks (see :mod:`sglang_hook.compat` for the exact targets):
 
 The scheduler thread reads only what must be read at the step (a few attributes and
 references SGLang never writes into) and hands them to the client, which builds the ``Step``.
-Where SGLang speculates on a host with CPUs to spare (``--spec-client-thread auto``), the client
-is a thread of its own (:class:`sglang_hook.client.ClientThread`): it builds, sends and drains,
-and the scheduler only queues. Elsewhere the scheduler thread does it all, one socket visit per
-record (:class:`sglang_hook.client.InlineClient`).
+By default the scheduler thread does it all, one socket visit per record
+(:class:`sglang_hook.client.InlineClient`). With ``--spec-client-thread on`` the client is a
+thread of its own (:class:`sglang_hook.client.ClientThread`): it builds, sends and drains, and
+the scheduler only queues; but it needs the GIL for that, which a scheduler bound by its
+launches misses (``HookConfig.client_thread``).
 
 Every hook catches every exception, logs it once, and lets SGLang continue as if the hook
 were absent: a scheduler exception would SIGQUIT the server.
