@@ -324,8 +324,8 @@ class ClientThread:
     its mailbox); the hand-over costs 1.6 µs ticking, 4.6 µs woken per record. The cost is the
     GIL: the sender thread needs it to build and pack the record and decode the reply, and
     takes it whenever the scheduler releases it around a torch call. On the H200 calls that
-    timed it that left step times unchanged; where the scheduler sets it (a
-    CPU scheduler, an EAGLE-3 server at depth 0 on an H100) the server ran slower, so the
+    timed it, step times stayed the same; where the scheduler sets the pace (a CPU
+    scheduler, an EAGLE-3 server at depth 0 on an H100) the server ran slower, so the
     hook runs it only when asked (``--spec-client-thread on``; ``docs/hook.md`` "Cost").
 
     Args:
