@@ -547,7 +547,7 @@ def level_run(
     # Blocks of records with and without the profiler's CPU-clock syscalls, side by side: does
     # the profiler's own clock change the wall time it measures?
     env["SPECDEPTH_PROFILE_CPU_CLOCK"] = "alternate"
-    env.update(LEVEL_ENV.get(level, {}))  # e.g. one level with SPECDEPTH_CLIENT_THREAD=off: an A/B
+    env.update(LEVEL_ENV.get(level, {}))  # e.g. one level with SPECDEPTH_CLIENT_THREAD=on: an A/B
     server.start(env)
     ok, why = server.wait_ready(min(400.0, max(10.0, deadline - time.time())))
     start_s = round(time.time() - tic, 1)
@@ -649,7 +649,7 @@ def main() -> int:
         default=[],
         metavar="LEVEL:KEY=VALUE",
         help="extra environment for one level's server, e.g. same2=draft_same in --levels and "
-        "same2:SPECDEPTH_CLIENT_THREAD=off for a side-by-side A/B of the hook's client thread",
+        "same2:SPECDEPTH_CLIENT_THREAD=on for a side-by-side A/B of the hook's client thread",
     )
     parser.add_argument(
         "--repeat-first",
