@@ -16,9 +16,8 @@ inside the scheduler here.
 Targets (issue): p50 ≤ 15 µs and p99 ≤ 40 µs per step.
 
 By default two servers run one after the other, with the hook's client thread on and off, so
-the rows compare both. (``auto``, the hook's default, is off here: this CPU server does not
-speculate. The thread ticks every 1 ms, as in the hook's default; set
-``SPECDEPTH_CLIENT_TICK_MS=0`` to time it woken per record instead.)
+the rows compare both. (``auto``, the hook's default, is off. The thread ticks every 1 ms, the
+default tick; set ``SPECDEPTH_CLIENT_TICK_MS=0`` to time it woken per record instead.)
 
 Usage: ``python bench/bench_hook.py [--concurrency 1,4,16] [--tokens 128] [--client-thread on,off] [--keep DIR]``
 """

@@ -18,11 +18,10 @@ Rows (every number measured in this run; ratios side by side, interleaved in blo
 3. throughput: the server pinned to one core, 8 instances with 64 steps in flight each;
    sustained step messages/s, and every decision received in order (none lost).
 4. client critical path: what the SGLang hook runs on the scheduler thread per step, with a
-   live controller answering. Where SGLang speculates on >= 4 CPUs the hook's default
-   (``--spec-client-thread auto``) is the client thread: ``ClientThread.submit`` + reading
-   the newest decision, timed with the thread woken per record and with it ticking every
-   1 ms. Elsewhere, the ``ControllerClient`` called inline (``send_step`` + ``poll_decision``,
-   i.e. ``poll(0)``). Between steps the caller holds the GIL for 200 µs (Python work) and
+   live controller answering. The hook's default (``--spec-client-thread auto``) is the
+   ``ControllerClient`` called inline (``send_step`` + ``poll_decision``, i.e. ``poll(0)``);
+   with ``--spec-client-thread on``, the client thread: ``ClientThread.submit`` + reading the
+   newest decision, timed with the thread woken per record and with it ticking every 1 ms. Between steps the caller holds the GIL for 200 µs (Python work) and
    then releases it for 800 µs (a GPU wait), as a scheduler does.
 
 Plus a breakdown of the in-controller path measured in-process on the server's CPU (decode,
