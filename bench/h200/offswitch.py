@@ -110,6 +110,7 @@ class Kind:
 # whole extend and log how far the two writes are apart.
 KV_FLAGS = ("--spec-off-path", "plain", "--spec-off-draft", "kv")
 KV_CHECK = ("SPECDEPTH_OFF_DRAFT_CHECK", "60")
+THREAD_FLAGS = (*KV_FLAGS, "--spec-client-thread", "on")  # the off switch, its client on a thread
 KINDS = {
     "plain": Kind("plain", False),
     "plain2": Kind("plain-control", False),  # a second plain server: the noise floor of every ratio
@@ -128,16 +129,13 @@ KINDS = {
     # kv with drafting resumed at once from the zeroed proposal (the default until 2026-12-06):
     # its first drafted step after depth 0 accepts nothing
     "off-cold": Kind("static:0-cold", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_RESUME", "cold"))),
-    # ``off`` with the hook's client inline on the scheduler thread, named: the default since
-    # call AI (2026-12-07), where it ran against ``off`` with the client thread, then the default
+    # ``off`` with the hook's client inline asked for by name, as call AI (2026-12-07) ran it
+    # against ``off`` when ``off`` still had the client thread; inline is the default since
     "off-inline": Kind("static:0-inline", True, (*KV_FLAGS, "--spec-client-thread", "off"), env=(KV_CHECK,)),
     # ``off`` with the client on a thread of its own that looks at its queue every 1 ms (the
     # default until call AI), and woken per record instead (``SPECDEPTH_CLIENT_TICK_MS=0``)
-    "off-thread": Kind("static:0-thread", True, (*KV_FLAGS, "--spec-client-thread", "on"), env=(KV_CHECK,)),
-    "off-tick0": Kind(
-        "static:0-tick0", True, (*KV_FLAGS, "--spec-client-thread", "on"),
-        env=(KV_CHECK, ("SPECDEPTH_CLIENT_TICK_MS", "0")),
-    ),
+    "off-thread": Kind("static:0-thread", True, THREAD_FLAGS, env=(KV_CHECK,)),
+    "off-tick0": Kind("static:0-tick0", True, THREAD_FLAGS, env=(KV_CHECK, ("SPECDEPTH_CLIENT_TICK_MS", "0"))),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
