@@ -103,6 +103,10 @@ ENV_OFF_PREFILL = "SPECDEPTH_OFF_PREFILL"
 # Under ``kv``, "warm" (default): drafting resumes after one more depth-0 step that runs
 # SGLang's whole extend (:class:`WarmResume`); "cold": it drafts at once from the zeroed stub.
 ENV_OFF_RESUME = "SPECDEPTH_OFF_RESUME"
+# "1" (default): a depth-0 step leaves out what SGLang builds for a one-node verify and nothing
+# reads (:func:`prepare_verify_hook`, :func:`sample_hook`, :func:`bonus_hook`, :func:`leave_zeros`);
+# "0": SGLang's own code for each, as before these were measured (for A/B runs).
+ENV_OFF_TRIM = "SPECDEPTH_OFF_TRIM"
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
 BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
@@ -111,11 +115,16 @@ PREPARE_VERIFY = "sglang.srt.speculative.eagle_worker_common.eagle_prepare_for_v
 PLAIN_MARK = "specdepth_plain_decode"
 # On a draft worker, once checked: "" when the KV-only update runs there, else why it cannot.
 KV_VERDICT_MARK = "specdepth_kv_verdict"
+# On a draft worker: the zeros it leaves as the proposal of a depth-0 step (:func:`leave_zeros`).
+STUB_MARK = "specdepth_zero_stub"
 # The drafter's extend after each verify; at depth 0 with ``kv`` the KV-only update replaces it.
 DRAFT_EXTEND = WORKER + ".EagleDraftWorker._draft_extend_for_decode"
 # The draft worker's other two uses of the drafter's cache: owed depth-0 updates go first.
 DRAFT = WORKER + ".EagleDraftWorker.draft"
 DRAFT_PREFILL = WORKER + ".EagleDraftWorker._draft_extend_for_prefill"
+# The verify's sampling and bonus token, as run_eagle_verify calls them (its module's names).
+SAMPLE = "sglang.srt.speculative.eagle_worker_common.eagle_sample"
+FILL_BONUS = "sglang.srt.speculative.eagle_worker_common.fill_bonus_tokens_func"
 # The width the drafter's extend graphs are captured at, as the graph runner looks it up.
 DRAFT_EXTEND_WIDTH = "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.resolve_num_tokens_per_req"
 
@@ -148,6 +157,7 @@ class OffCounters:
     kv_prefill_identical: int = 0
     kv_prefill_max_d: float = 0.0
     warm_extends: int = 0  # depth-0 steps WarmResume inserted, whose drafter extend was SGLang's whole one
+    trimmed_samples: int = 0  # ENV_OFF_TRIM: depth-0 steps sampled without SGLang's tree kernel
 
 
 COUNTERS = OffCounters()
@@ -285,11 +295,12 @@ def build_state_hook(original: Any, worker: Any, speculative_num_steps: int, *ar
     return state
 
 
-def decode_forward_batch(batch: Any, model_runner: Any) -> Any:
+def decode_forward_batch(batch: Any, model_runner: Any, init_new: Any = None) -> Any:
     """SGLang's DECODE ``ForwardBatch`` for a depth-0 step whose KV slot the verify prepare assigned.
 
     Spec v2 keeps ``batch.seq_lens`` as the length before this step's token; a decode counts it.
-    The batch is changed only for the ``init_new`` call and restored after it.
+    The batch is changed only for the ``init_new`` call (SGLang's ``ForwardBatch.init_new`` unless
+    given) and restored after it.
     """
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
@@ -302,7 +313,7 @@ def decode_forward_batch(batch: Any, model_runner: Any) -> Any:
         batch.seq_lens_sum = None if saved[3] is None else saved[3] + bs
         batch.orig_seq_lens = None if saved[4] is None else saved[4] + 1
         batch.spec_info = None
-        return ForwardBatch.init_new(
+        return (init_new or ForwardBatch.init_new)(
             batch,
             model_runner,
             capture_hidden_mode=CaptureHiddenMode.FULL,
@@ -319,35 +330,107 @@ def decode_forward_batch(batch: Any, model_runner: Any) -> Any:
         ) = saved
 
 
+class _DecodeInPlaceOfVerify:
+    """For one call of SGLang's ``eagle_prepare_for_verify``: its ``ForwardBatch.init_new`` of
+    ``batch`` builds the DECODE forward batch (:func:`decode_forward_batch`) instead of the
+    TARGET_VERIFY one, so SGLang's own code goes on to load it into the plain graph and mark it
+    ready, and no verify batch is built to be thrown away. If the DECODE batch cannot be built,
+    ``failed`` is set and SGLang gets its verify batch after all, which the plain graph refuses
+    to replay (:func:`plain_runner_class`), so it runs eagerly."""
+
+    def __init__(self, batch: Any, runner: Any) -> None:
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+        self.batch, self.runner, self.cls = batch, runner, ForwardBatch
+        self.real = ForwardBatch.__dict__["init_new"]  # the classmethod itself, put back on exit
+        self.swapped = False
+        self.failed = False
+
+    def init_new(self, cls: Any, batch: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+        real = self.real.__get__(None, cls)
+        if self.swapped or batch is not self.batch or model_runner is not self.runner:
+            return real(batch, model_runner, *args, **kwargs)
+        self.swapped = True
+        try:
+            return decode_forward_batch(batch, model_runner, real)
+        except Exception:
+            self.failed = True
+            _log_once("prepare", logging.ERROR, "spec controller: plain decode step failed; verifying instead", exc=True)
+            return real(batch, model_runner, *args, **kwargs)
+
+    def __enter__(self) -> _DecodeInPlaceOfVerify:
+        swap = self
+
+        def init_new(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            return swap.init_new(cls, *args, **kwargs)
+
+        self.cls.init_new = classmethod(init_new)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cls.init_new = self.real
+
+
+def _verify_instead(original: Any, runner: Any, graph: Any, *call: Any, **kwargs: Any) -> Any:
+    """SGLang's whole prepare with the graph runner hidden: its verify batch, never loaded into
+    the plain graph. SGLang's side effects on the batch (KV slot, input ids) are the same however
+    often it runs."""
+    runner.decode_cuda_graph_runner = None
+    try:
+        return original(*call, **kwargs)[0]
+    finally:
+        runner.decode_cuda_graph_runner = graph
+
+
+def _fell_back(verify_fb: Any, logged: bool = False) -> tuple[Any, bool]:
+    COUNTERS.errors += 1
+    COUNTERS.verify_fallbacks += 1
+    if not logged:
+        _log_once("prepare", logging.ERROR, "spec controller: plain decode step failed; verifying instead", exc=True)
+    return verify_fb, False  # SGLang's verify batch, run eagerly: correct, slower
+
+
 def prepare_verify_hook(
     original: Any, verify_input: Any, req_to_token_pool: Any, batch: Any, target_worker: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    """AROUND ``eagle_prepare_for_verify``: a depth-0 step becomes a DECODE forward batch."""
+    """AROUND ``eagle_prepare_for_verify``: a depth-0 step becomes a DECODE forward batch.
+
+    SGLang's own prepare runs whole: it assigns the KV slot and input ids as for a verify. Trimmed
+    (the default, ``ENV_OFF_TRIM``), its ``init_new`` builds the DECODE batch in place of the
+    verify one (:class:`_DecodeInPlaceOfVerify`) and SGLang loads it into the plain graph
+    itself. Otherwise SGLang's verify batch is built with the graph runner hidden, then thrown
+    away for the DECODE one.
+    """
+    call = (verify_input, req_to_token_pool, batch, target_worker, *args)
     if getattr(verify_input, "draft_token_num", None) != 1 or batch.forward_mode.is_idle():
-        return original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
+        return original(*call, **kwargs)
     runner = target_worker.model_runner
     graph = runner.decode_cuda_graph_runner
     if graph is not None and not is_plain(graph):
         COUNTERS.verify_fallbacks += 1  # depth 0 without a plain graph: SGLang's verify
-        return original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
-    # SGLang's own prepare assigns the KV slot and input ids; it must not load its TARGET_VERIFY
-    # batch into the plain graph, so it sees no graph runner.
-    runner.decode_cuda_graph_runner = None
-    try:
-        verify_fb, _ = original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
-    finally:
-        runner.decode_cuda_graph_runner = graph
-    try:
-        fb = decode_forward_batch(batch, runner)
-        can_graph = bool(graph is not None and graph.can_run_graph(fb))
-        if can_graph:
-            graph.load_batch(fb)
-            fb.mark_forward_metadata_ready()
-    except Exception:
-        COUNTERS.errors += 1
-        COUNTERS.verify_fallbacks += 1
-        _log_once("prepare", logging.ERROR, "spec controller: plain decode step failed; verifying instead", exc=True)
-        return verify_fb, False  # SGLang's verify batch, run eagerly: correct, slower
+        return original(*call, **kwargs)
+    if _TRIM.on:
+        swap = _DecodeInPlaceOfVerify(batch, runner)
+        try:
+            with swap:
+                fb, can_graph = original(*call, **kwargs)
+        except Exception:
+            return _fell_back(_verify_instead(original, runner, graph, *call, **kwargs))
+        if swap.failed:
+            return _fell_back(fb, logged=True)  # SGLang's verify batch: the plain graph refused it
+        if not swap.swapped:  # SGLang built no forward batch of this batch: not the prepare we know
+            _log_once("swap", logging.ERROR, "spec controller: SGLang's verify prepare built no forward batch to replace")
+            return _fell_back(fb, logged=True)
+    else:
+        verify_fb = _verify_instead(original, runner, graph, *call, **kwargs)
+        try:
+            fb = decode_forward_batch(batch, runner)
+            can_graph = bool(graph is not None and graph.can_run_graph(fb))
+            if can_graph:
+                graph.load_batch(fb)
+                fb.mark_forward_metadata_ready()
+        except Exception:
+            return _fell_back(verify_fb)
     COUNTERS.plain_steps += 1
     COUNTERS.graph_steps += can_graph
     if COUNTERS.plain_steps == 1:
@@ -567,6 +650,86 @@ def stub_proposal(worker: Any, batch: Any, batch_result: Any) -> None:
     EAGLEWorkerV2._stub_skipped_draft_extend(owner, batch, batch_result)
 
 
+def sample_hook(original: Any, verify_input: Any, batch: Any, logits_output: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``eagle_sample`` (as ``run_eagle_verify`` calls it): a greedy one-node tree, sampled
+    as a plain decode samples.
+
+    For a tree of its root alone SGLang's ``verify_tree_greedy`` accepts the root and writes the
+    argmax of the root's logits, so the step's token is ``argmax(logits)`` (what a plain server's
+    greedy sampler takes), one token is accepted per request, and the accepted index of request
+    ``b`` is ``b``. Those three tensors are returned here without SGLang's buffers, tree kernel and
+    imports. Anything else goes to SGLang: another width, an idle batch, a grammar mask, sampling,
+    penalties or a logit bias (which SGLang applies to the logits first), logprobs, and SGLang's
+    simulated acceptance.
+    """
+    # 0.5.23 adds arguments (a top-k bound for sampling, a watermark); each left unset changes
+    # nothing for a greedy root, and whether a mask covers the whole tree matters only to a watermark.
+    extra = [v for k, v in kwargs.items() if k != "watermark_full_mask"]
+    info = getattr(batch, "sampling_info", None)
+    if (
+        any(v is not None for v in (*args, *extra))
+        or getattr(verify_input, "draft_token_num", None) != 1
+        or batch.forward_mode.is_idle()
+        or batch.return_logprob
+        or info is None
+        or not info.is_all_greedy
+        or info.acc_additive_penalties is not None
+        or info.acc_scaling_penalties is not None
+        or info.logit_bias is not None
+        or _simulated_acceptance()
+    ):
+        return original(verify_input, batch, logits_output, *args, **kwargs)
+    from sglang.srt.utils.async_probe import sanitize_nan_logits
+
+    logits = logits_output.next_token_logits
+    sanitize_nan_logits(logits, "verify: target model logits")  # as SGLang's: off unless asked for
+    bs = logits.shape[0]
+    # Tensor methods only (the hook imports no torch): int32, as SGLang's kernel writes them.
+    predict = logits.argmax(dim=-1).int()
+    accept_lens = predict.new_ones((bs,))
+    accept_index = accept_lens.cumsum(0, dtype=predict.dtype).sub_(1).view(bs, 1)
+    COUNTERS.trimmed_samples += 1
+    return predict, accept_lens, accept_index
+
+
+def _simulated_acceptance() -> bool:
+    from sglang.srt.speculative import spec_utils
+
+    return bool(getattr(spec_utils, "SIMULATE_ACC_LEN", 0) > 0)
+
+
+def bonus_hook(original: Any, accept_tokens: Any, accept_lens: Any, bonus_tokens: Any, accept_stride: int, batch_size: int, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``fill_bonus_tokens_func``: with one accepted slot per request (the width of a
+    depth-0 tree) each request's bonus token is its one accepted token, a copy, not a kernel.
+
+    SGLang's kernel reads ``accept_tokens[stride * b + accept_lens[b] - 1]``; an accepted length
+    is at least 1 (the root) and at most the stride, so at stride 1 that is ``accept_tokens[b]``.
+    """
+    if args or kwargs or accept_stride != 1:
+        return original(accept_tokens, accept_lens, bonus_tokens, accept_stride, batch_size, *args, **kwargs)
+    bonus_tokens.copy_(accept_tokens.reshape(-1)[:batch_size])
+    return None
+
+
+def leave_zeros(worker: Any, batch: Any, batch_result: Any) -> None:
+    """SGLang's skip stub (:func:`stub_proposal`), its zeros made once per draft worker.
+
+    The stub's tensors are only read after they are left (the overlap scheduler's future map
+    copies them; a cold resume drafts from them), never written, so one set of zeros, as large as
+    the largest batch so far, serves every step as row views. A larger batch runs SGLang's stub,
+    whose zeros become the set.
+    """
+    zeros: dict[str, Any] = getattr(worker, STUB_MARK, None) or {}
+    bs = len(batch.seq_lens)
+    proposal = batch_result.next_draft_input
+    if zeros and all(t.shape[0] >= bs and t.device == batch.seq_lens.device for t in zeros.values()):
+        for name, t in zeros.items():
+            setattr(proposal, name, t[:bs])
+        return
+    stub_proposal(worker, batch, batch_result)
+    fields = ("topk_p", "topk_index", "hidden_states")
+    setattr(worker, STUB_MARK, {name: t for name in fields if (t := getattr(proposal, name, None)) is not None})
+
 def kv_verdict(worker: Any) -> str:
     """Whether :func:`draft_extend_hook` can store keys and values only on this draft worker
     ("" = it can), checked once per worker: the drafter and its pool do not change."""
@@ -701,6 +864,7 @@ PREFILL_OFF_MARK = "specdepth_kv_prefill_failed"  # set on a draft worker whose 
 _CHECK = SimpleNamespace(steps=0, batches=0, prefills=0)
 _DEFER = SimpleNamespace(steps=DEFER_STEPS, rows=DEFER_ROWS)
 _PREFILL = SimpleNamespace(kv=True)  # ENV_OFF_PREFILL != "sglang", read at install
+_TRIM = SimpleNamespace(on=True)  # ENV_OFF_TRIM, read at install
 
 
 def _flush_or_drop(worker: Any) -> None:
@@ -758,7 +922,10 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
             pending.add(ids, positions, hidden, loc)
             if pending.full():
                 flush_kv(worker)
-        stub_proposal(worker, batch, batch_result)
+        if _TRIM.on:
+            leave_zeros(worker, batch, batch_result)
+        else:
+            stub_proposal(worker, batch, batch_result)
     except Exception:
         COUNTERS.errors += 1
         COUNTERS.kv_fallbacks += 1
@@ -889,6 +1056,10 @@ def install(register: Any, config: OffConfig) -> None:
     RESUME.enabled = False  # only kv leaves stub proposals that a resume would draft from
     if not config.plain:
         return
+    _TRIM.on = _env_choice(ENV_OFF_TRIM, ("1", "0")) == "1"
+    if _TRIM.on:
+        register(SAMPLE, sample_hook)
+        register(FILL_BONUS, bonus_hook)
     if config.draft == "skip":
         os.environ[SGLANG_SKIP_ENV] = "1"
     if config.draft == "kv":

@@ -133,7 +133,8 @@ def test_build_state_leaves_standalone_speculation_alone() -> None:
 
 
 class Graph:
-    """A decode graph runner's surface as the prepare hook uses it."""
+    """A decode graph runner's surface as the prepare hook uses it (a plain one replays DECODE
+    batches only, as :func:`off_switch.plain_runner_class` makes it)."""
 
     def __init__(self, plain: bool, fits: bool = True) -> None:
         self.specdepth_plain_decode = plain
@@ -141,7 +142,7 @@ class Graph:
         self.loaded: list[Any] = []
 
     def can_run_graph(self, fb: Any) -> bool:
-        return self.fits
+        return self.fits and (not self.specdepth_plain_decode or fb.mode == ForwardMode.DECODE)
 
     def load_batch(self, fb: Any) -> None:
         self.loaded.append(fb)
@@ -164,12 +165,22 @@ def step(graph: Graph | None, draft_tokens: int = 1) -> tuple[Any, Any, Any]:
 
 
 def sglang_prepare(log: list[Any]) -> Any:
-    """What SGLang's eagle_prepare_for_verify does to the batch, and what it returns."""
+    """SGLang's eagle_prepare_for_verify from its forward batch on (0.5.17 and 0.5.23 alike):
+    the verify mode, ``ForwardBatch.init_new``, and the graph's load when it can run it."""
 
-    def prepare(verify_input: Any, pool: Any, batch: Any, target_worker: Any) -> tuple[str, bool]:
-        log.append(target_worker.model_runner.decode_cuda_graph_runner)
+    def prepare(verify_input: Any, pool: Any, batch: Any, target_worker: Any) -> tuple[Any, bool]:
+        runner = target_worker.model_runner
+        graph = runner.decode_cuda_graph_runner
+        log.append(graph)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
-        return "verify-fb", target_worker.model_runner.decode_cuda_graph_runner is not None
+        fb = ForwardBatch.init_new(
+            batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL, return_hidden_states_before_norm=False
+        )
+        can = bool(graph is not None and graph.can_run_graph(fb))
+        if can:
+            graph.load_batch(fb)
+            fb.mark_forward_metadata_ready()
+        return fb, can
 
     return prepare
 
@@ -191,69 +202,108 @@ def decode_init(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
                 "hidden": capture_hidden_mode,
             }
         )
-        return SimpleNamespace(ready=False, mark_forward_metadata_ready=lambda: None)
+        fb = SimpleNamespace(mode=batch.forward_mode, ready=False)
+        fb.mark_forward_metadata_ready = lambda: setattr(fb, "ready", True)
+        return fb
 
     monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(init_new))
     return seen
 
 
-def test_depth_0_step_becomes_a_decode_batch(decode_init: list[dict[str, Any]]) -> None:
+DECODE_SEEN = {
+    "mode": ForwardMode.DECODE,
+    "seq_lens": [6, 8, 10],  # a decode counts the step's own token
+    "seq_lens_cpu": [6, 8, 10],
+    "seq_lens_sum": 24,
+    "orig": [6, 8, 10],
+    "spec_info": None,
+    "hidden": CaptureHiddenMode.FULL,
+}
+
+
+@pytest.fixture(params=[True, False], ids=["trimmed", "untrimmed"])
+def trim(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setattr(off_switch._TRIM, "on", request.param)
+    return bool(request.param)
+
+
+def test_depth_0_step_becomes_a_decode_batch(decode_init: list[dict[str, Any]], trim: bool) -> None:
     graph = Graph(plain=True)
     batch, vi, tw = step(graph)
     log: list[Any] = []
+    swapped = ForwardBatch.__dict__["init_new"]
     fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
-    assert log == [None]  # SGLang's prepare never loads its verify batch into the plain graph
+    assert ForwardBatch.__dict__["init_new"] is swapped  # SGLang's name is SGLang's again
     assert tw.model_runner.decode_cuda_graph_runner is graph
-    assert can_graph and graph.loaded == [fb]
-    assert decode_init == [
-        {
-            "mode": ForwardMode.DECODE,
-            "seq_lens": [6, 8, 10],  # a decode counts the step's own token
-            "seq_lens_cpu": [6, 8, 10],
-            "seq_lens_sum": 24,
-            "orig": [6, 8, 10],
-            "spec_info": None,
-            "hidden": CaptureHiddenMode.FULL,
-        }
-    ]
+    assert can_graph and graph.loaded == [fb] and fb.mode == ForwardMode.DECODE and fb.ready
+    if trim:  # SGLang's own prepare loads the DECODE batch; no verify batch is built at all
+        assert log == [graph] and decode_init == [DECODE_SEEN]
+    else:  # SGLang's verify batch is built with the graph hidden, then the DECODE one
+        assert log == [None] and [d["mode"] for d in decode_init] == [ForwardMode.TARGET_VERIFY, ForwardMode.DECODE]
+        assert decode_init[1] == DECODE_SEEN
     # ... and the batch is SGLang's again: spec v2's lengths, the verify mode SGLang set.
     assert batch.seq_lens.tolist() == [5, 7, 9] and batch.seq_lens_sum == 21 and batch.spec_info == "draft-input"
     assert batch.forward_mode == ForwardMode.TARGET_VERIFY
 
 
-def test_depth_0_runs_eagerly_where_no_graph_fits(decode_init: list[dict[str, Any]]) -> None:
+def test_depth_0_runs_eagerly_where_no_graph_fits(decode_init: list[dict[str, Any]], trim: bool) -> None:
     graph = Graph(plain=True, fits=False)
     batch, vi, tw = step(graph)
     fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw)
-    assert not can_graph and graph.loaded == [] and fb != "verify-fb"
+    assert not can_graph and graph.loaded == [] and fb.mode == ForwardMode.DECODE
     batch, vi, tw = step(None)  # CUDA graphs off
     fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw)
-    assert not can_graph and fb != "verify-fb"
+    assert not can_graph and fb.mode == ForwardMode.DECODE
 
 
-def test_other_steps_and_verify_graphs_go_to_sglang(decode_init: list[dict[str, Any]]) -> None:
+def test_other_steps_and_verify_graphs_go_to_sglang(decode_init: list[dict[str, Any]], trim: bool) -> None:
     log: list[Any] = []
-    batch, vi, tw = step(Graph(plain=True), draft_tokens=4)
-    assert off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw) == ("verify-fb", True)
+    batch, vi, tw = step(Graph(plain=False), draft_tokens=4)
+    fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
+    assert can_graph and fb.mode == ForwardMode.TARGET_VERIFY
     fallbacks = off_switch.COUNTERS.verify_fallbacks
     verify_graph = Graph(plain=False)  # the plain graph was never built: never replay DECODE in it
     batch, vi, tw = step(verify_graph)
-    assert off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw) == ("verify-fb", True)
+    fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
+    assert can_graph and fb.mode == ForwardMode.TARGET_VERIFY and verify_graph.loaded == [fb]
     assert off_switch.COUNTERS.verify_fallbacks == fallbacks + 1
-    assert decode_init == []
+    assert [d["mode"] for d in decode_init] == [ForwardMode.TARGET_VERIFY] * 2
 
 
-def test_a_failing_plain_step_verifies_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*a: Any, **kw: Any) -> Any:
-        raise RuntimeError("SGLang changed")
+def test_a_failing_plain_step_verifies_eagerly(monkeypatch: pytest.MonkeyPatch, trim: bool) -> None:
+    def verify_only(batch: Any, model_runner: Any, **kw: Any) -> Any:
+        if batch.forward_mode == ForwardMode.DECODE:
+            raise RuntimeError("SGLang changed")
+        return SimpleNamespace(mode=batch.forward_mode)
 
-    monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(broken))
+    monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(verify_only))
     graph = Graph(plain=True)
     batch, vi, tw = step(graph)
     errors = off_switch.COUNTERS.errors
-    assert off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw) == ("verify-fb", False)
+    fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw)
+    assert fb.mode == ForwardMode.TARGET_VERIFY and not can_graph  # SGLang's verify, run eagerly
     assert off_switch.COUNTERS.errors == errors + 1 and graph.loaded == []
     assert batch.seq_lens.tolist() == [5, 7, 9] and batch.spec_info == "draft-input"
+    assert tw.model_runner.decode_cuda_graph_runner is graph
+
+
+def test_a_prepare_that_fails_on_the_decode_batch_runs_sglangs_again_with_the_graph_hidden(
+    decode_init: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(off_switch._TRIM, "on", True)
+
+    class Refusing(Graph):
+        def load_batch(self, fb: Any) -> None:
+            raise RuntimeError("the graph's buffers are too small")
+
+    graph = Refusing(plain=True)
+    batch, vi, tw = step(graph)
+    log: list[Any] = []
+    fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
+    assert log == [graph, None]  # the second run saw no graph runner: its verify batch runs eagerly
+    assert fb.mode == ForwardMode.TARGET_VERIFY and not can_graph
+    assert tw.model_runner.decode_cuda_graph_runner is graph
+    assert ForwardBatch.__dict__["init_new"].__func__.__name__ == "init_new"  # the fixture's, put back
 
 
 def test_plugin_installs_the_off_switch_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -838,6 +888,7 @@ def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.
     monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=off_switch.DEFER_STEPS, rows=off_switch.DEFER_ROWS))
     monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
     monkeypatch.setattr(off_switch, "RESUME", WarmResume())
+    monkeypatch.setattr(off_switch, "_TRIM", SimpleNamespace(on=True))
     registered: list[str] = []
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "60")
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_DEFER, "0")  # 0 and 1: every step stores its own
@@ -1022,3 +1073,132 @@ def test_a_failing_step_still_stores_what_earlier_steps_owe(eagle3: Any, defer: 
     ref = stored_at_once(model, steps[:2])  # the two steps before it were stored, not dropped
     for got, want in zip(pool.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- a trimmed depth-0 step: what SGLang builds for a one-node verify and nothing reads ---
+
+
+def greedy_step(bs: int = 4, vocab: int = 50, **changes: Any) -> tuple[Any, Any, Any]:
+    """A depth-0 verify's input, batch and target logits, all greedy, as eagle_sample sees them."""
+    import torch
+
+    info = SimpleNamespace(is_all_greedy=True, acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=None)
+    batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, sampling_info=info, return_logprob=False)
+    verify_input = SimpleNamespace(draft_token_num=1)
+    for key, value in changes.items():
+        target = info if hasattr(info, key) else batch if hasattr(batch, key) else verify_input
+        setattr(target, key, value)
+    logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(bs))
+    return verify_input, batch, SimpleNamespace(next_token_logits=logits)
+
+
+def test_a_greedy_depth_0_step_is_sampled_as_a_plain_decode_samples() -> None:
+    import torch
+
+    verify_input, batch, out = greedy_step()
+    before = off_switch.COUNTERS.trimmed_samples
+    predict, accept_lens, accept_index = off_switch.sample_hook(
+        lambda *a, **kw: pytest.fail("SGLang's sampling ran"), verify_input, batch, out, None
+    )
+    # the argmax of the root's logits, one accepted token each, request b's accepted slot is b
+    assert predict.dtype == torch.int32 and predict.tolist() == out.next_token_logits.argmax(-1).tolist()
+    assert accept_lens.dtype == torch.int32 and accept_lens.tolist() == [1, 1, 1, 1]
+    assert accept_index.dtype == torch.int32 and accept_index.tolist() == [[0], [1], [2], [3]]
+    assert off_switch.COUNTERS.trimmed_samples == before + 1
+    # 0.5.23's extra arguments, unset: the same
+    got = off_switch.sample_hook(lambda *a, **kw: pytest.fail("SGLang's sampling ran"), verify_input, batch, out,
+                                 None, uno_target_max_top_k=None, watermark_state=None, watermark_full_mask=False)  # fmt: skip
+    assert got[0].tolist() == predict.tolist()
+
+
+@pytest.mark.parametrize(
+    ("changes", "extra"),
+    [
+        ({"draft_token_num": 4}, {}),  # a drafted tree
+        ({"forward_mode": ForwardMode.IDLE}, {}),
+        ({"return_logprob": True}, {}),  # SGLang's logprobs read its accept index
+        ({"is_all_greedy": False}, {}),  # sampling
+        ({"acc_additive_penalties": object()}, {}),  # penalties and biases change the logits first
+        ({"acc_scaling_penalties": object()}, {}),
+        ({"logit_bias": object()}, {}),
+        ({}, {"grammar_mask": object()}),
+        ({}, {"watermark_state": object()}),
+    ],
+    ids=["drafted", "idle", "logprobs", "sampling", "additive", "scaling", "bias", "grammar", "watermark"],
+)
+def test_every_other_verify_is_sampled_by_sglang(changes: dict[str, Any], extra: dict[str, Any]) -> None:
+    verify_input, batch, out = greedy_step(**changes)
+    calls: list[Any] = []
+    assert off_switch.sample_hook(lambda *a, **kw: calls.append((a, kw)) or "sglang", verify_input, batch, out, **extra) == "sglang"
+    assert calls == [((verify_input, batch, out), extra)]
+
+
+def test_sglangs_simulated_acceptance_keeps_its_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.speculative import spec_utils
+
+    monkeypatch.setattr(spec_utils, "SIMULATE_ACC_LEN", 2.0)
+    verify_input, batch, out = greedy_step()
+    assert off_switch.sample_hook(lambda *a, **kw: "sglang", verify_input, batch, out, None) == "sglang"
+
+
+def test_at_stride_1_the_bonus_token_is_the_accepted_one() -> None:
+    import torch
+
+    def kernel(accept_tokens: Any, accept_lens: Any, bonus: Any, stride: int, bs: int) -> None:
+        """SGLang's fill_bonus_tokens, as its Triton kernel reads and writes, for any stride."""
+        for b in range(bs):
+            bonus[b] = accept_tokens.reshape(-1)[stride * b + int(accept_lens[b]) - 1]
+
+    accept_tokens = torch.tensor([[11], [12], [13], [14]], dtype=torch.int32)
+    ones = torch.ones(4, dtype=torch.int32)
+    ours, sglangs = torch.full((4,), -1, dtype=torch.int32), torch.full((4,), -1, dtype=torch.int32)
+    assert off_switch.bonus_hook(lambda *a: pytest.fail("the kernel ran"), accept_tokens, ones, ours, 1, 4) is None
+    kernel(accept_tokens, ones, sglangs, 1, 4)
+    assert ours.tolist() == sglangs.tolist() == [11, 12, 13, 14]
+    drafted = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)  # depth 2: SGLang's kernel
+    seen: list[int] = []
+    off_switch.bonus_hook(lambda *a: seen.append(a[3]), drafted, torch.tensor([2, 3]), torch.empty(2), 3, 2)
+    assert seen == [3]
+
+
+def test_depth_0_leaves_one_set_of_zeros_as_its_proposal(eagle3: Any) -> None:
+    import torch
+
+    model = eagle3()
+    worker = draft_worker(model, pool_for(model), steps=0)
+
+    def left(bs: int) -> Any:
+        batch = SimpleNamespace(seq_lens=torch.arange(bs))
+        result = SimpleNamespace(next_draft_input=SimpleNamespace(topk_p=None, topk_index=None, hidden_states=None))
+        off_switch.leave_zeros(worker, batch, result)
+        return result.next_draft_input
+
+    def sglangs(bs: int) -> Any:
+        batch = SimpleNamespace(seq_lens=torch.arange(bs))
+        result = SimpleNamespace(next_draft_input=SimpleNamespace(topk_p=None, topk_index=None, hidden_states=None))
+        off_switch.stub_proposal(worker, batch, result)
+        return result.next_draft_input
+
+    first, smaller, larger = left(3), left(2), left(5)
+    for got, bs in ((first, 3), (smaller, 2), (larger, 5)):  # SGLang's stub at every size: zeros alike
+        want = sglangs(bs)
+        for name in ("topk_p", "topk_index", "hidden_states"):
+            t, w = getattr(got, name), getattr(want, name)
+            assert t.shape == w.shape and t.dtype == w.dtype and not t.any(), name
+    assert smaller.hidden_states.data_ptr() == first.hidden_states.data_ptr()  # rows of the same zeros
+    assert larger.hidden_states.data_ptr() != first.hidden_states.data_ptr()  # a larger batch: SGLang's stub
+    assert left(4).topk_p.data_ptr() == larger.topk_p.data_ptr()
+
+
+def test_trimming_is_the_default_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(off_switch, "_TRIM", SimpleNamespace(on=True))
+    registered: list[str] = []
+    for value, trimmed in (("", True), ("0", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv(off_switch.ENV_OFF_TRIM, value)
+        registered.clear()
+        off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig())
+        assert off_switch._TRIM.on is trimmed
+        assert (off_switch.SAMPLE in registered, off_switch.FILL_BONUS in registered) == (trimmed, trimmed)
+    registered.clear()
+    off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig(plain=False))
+    assert off_switch.SAMPLE not in registered  # SGLang's own depth 0 keeps its sampling
