@@ -13,12 +13,17 @@ This module makes depth 0 a plain decode without forking SGLang, through two ARO
   ``DecodeCudaGraphRunner`` captured in DECODE mode (the split-KV decode kernels, SGLang's
   decode CUDA graphs) for every batch size the verify graphs had. It still returns the
   target's auxiliary hidden states, which the drafter's extend reads.
-- ``eagle_prepare_for_verify`` (every depth-0 step): SGLang assigns the step's KV slot exactly
-  as for a verify (its own code runs first), then the forward batch is rebuilt by SGLang's
-  ``ForwardBatch.init_new`` in DECODE mode — sequence lengths counting the new token, no
-  ``spec_info`` — and loaded into the plain graph. Everything after the forward is SGLang's
-  verify bookkeeping, unchanged: a one-token "tree" accepts its root and samples the bonus
-  token from the same logits a plain decode samples from, so greedy outputs are identical.
+- ``eagle_prepare_for_verify`` (every depth-0 step): SGLang's own prepare assigns the step's
+  KV slot exactly as for a verify, and its ``ForwardBatch.init_new`` builds the forward batch
+  in DECODE mode — sequence lengths counting the new token, no ``spec_info`` — which SGLang
+  then loads into the plain graph. Everything after the forward is SGLang's verify
+  bookkeeping: a one-token "tree" accepts its root and samples the bonus token from the same
+  logits a plain decode samples from, so greedy outputs are identical.
+
+What SGLang builds for a one-node tree and nothing reads is left out (``SPECDEPTH_OFF_TRIM``,
+"1" by default): the verify forward batch (:class:`_DecodeInPlaceOfVerify`), the tree-sampling
+kernel of a greedy step (:func:`sample_hook`), the bonus-token kernel (:func:`bonus_hook`) and
+the stub proposal's fresh zeros (:func:`leave_zeros`). None changes a value SGLang reads later.
 
 A third hook fixes a 0.5.17 bug that made the drafter's extend run eagerly at every adaptive
 depth but the starting one (:func:`draft_extend_width_hook`).
