@@ -112,6 +112,10 @@ ENV_OFF_RESUME = "SPECDEPTH_OFF_RESUME"
 # reads (:func:`prepare_verify_hook`, :func:`sample_hook`, :func:`bonus_hook`, :func:`leave_zeros`);
 # "0": SGLang's own code for each, as before these were measured (for A/B runs).
 ENV_OFF_TRIM = "SPECDEPTH_OFF_TRIM"
+# Under ``kv``, "read" (default): the scheduler's next writes wait only until the depth-0
+# step's plain decode has read the shared buffers (:func:`relay_read_done`); "step": until the
+# whole step is done, as SGLang falls back to when the drafter's extend does not run.
+ENV_OFF_FENCE = "SPECDEPTH_OFF_FENCE"
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
 BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
@@ -127,6 +131,10 @@ DRAFT_EXTEND = WORKER + ".EagleDraftWorker._draft_extend_for_decode"
 # The draft worker's other two uses of the drafter's cache: owed depth-0 updates go first.
 DRAFT = WORKER + ".EagleDraftWorker.draft"
 DRAFT_PREFILL = WORKER + ".EagleDraftWorker._draft_extend_for_prefill"
+# The event a runner publishes once its forward has read the shared buffers (the request-to-token
+# table), which SGLang's WAR barrier waits on before the scheduler writes them again: 0.5.17's
+# name, then 0.5.23's.
+READ_DONE_EVENTS = ("war_fastpath_read_done_event", "shared_read_done_event")
 # The verify's sampling and bonus token, as run_eagle_verify calls them (its module's names).
 SAMPLE = "sglang.srt.speculative.eagle_worker_common.eagle_sample"
 FILL_BONUS = "sglang.srt.speculative.eagle_worker_common.fill_bonus_tokens_func"
@@ -163,6 +171,7 @@ class OffCounters:
     kv_prefill_max_d: float = 0.0
     warm_extends: int = 0  # depth-0 steps WarmResume inserted, whose drafter extend was SGLang's whole one
     trimmed_samples: int = 0  # ENV_OFF_TRIM: depth-0 steps sampled without SGLang's tree kernel
+    relayed_fences: int = 0  # ENV_OFF_FENCE: depth-0 steps whose plain decode's read-done event fenced the scheduler
 
 
 COUNTERS = OffCounters()
@@ -414,6 +423,8 @@ def prepare_verify_hook(
     if graph is not None and not is_plain(graph):
         COUNTERS.verify_fallbacks += 1  # depth 0 without a plain graph: SGLang's verify
         return original(*call, **kwargs)
+    if _FENCE.read:
+        forget_read_done(runner)  # any event the drafter's extend relays must be this step's
     if _TRIM.on:
         swap = _DecodeInPlaceOfVerify(batch, runner)
         try:
@@ -735,6 +746,45 @@ def leave_zeros(worker: Any, batch: Any, batch_result: Any) -> None:
     fields = ("topk_p", "topk_index", "hidden_states")
     setattr(worker, STUB_MARK, {name: t for name in fields if (t := getattr(proposal, name, None)) is not None})
 
+def _read_done_name(runner: Any) -> str | None:
+    return next((name for name in READ_DONE_EVENTS if hasattr(runner, name)), None)
+
+
+def forget_read_done(runner: Any) -> None:
+    """Clear ``runner``'s read-done event, so that one found after this step's forward is this step's."""
+    name = _read_done_name(runner)
+    if name is not None:
+        setattr(runner, name, None)
+
+
+def relay_read_done(worker: Any) -> bool:
+    """Hand the depth-0 step's read-done event from the target's runner to the drafter's.
+
+    SGLang's scheduler fences its next writes of the shared buffers behind the read-done event of
+    the runner whose phase reads them last, for EAGLE the drafter's extend (its attention reads
+    the request-to-token table). Under ``kv`` no extend runs, so no event is published and the
+    scheduler falls back to waiting for the whole step: the next step's preparation then starts
+    on the GPU only after this step ends, instead of beside it. At depth 0 the last phase that
+    reads them is the target's plain decode, whose DECODE graph publishes the event on the
+    target's runner (as on a plain server); what follows reads only this step's own tensors
+    (the sampling, the bonus token, the drafter's keys and values by slot) — the shape of
+    SGLang's DFlash step, whose event is its target verify's. Returns whether an event was
+    handed on: none when the step ran eagerly, and the scheduler waits for the whole step.
+    """
+    target = getattr(getattr(worker, "target_worker", None), "model_runner", None)
+    draft = getattr(worker, "draft_runner", None)
+    name = _read_done_name(target) if target is not None else None
+    if name is None or not hasattr(draft, name):
+        return False
+    event = getattr(target, name)
+    if event is None:
+        return False
+    setattr(target, name, None)
+    setattr(draft, name, event)
+    COUNTERS.relayed_fences += 1
+    return True
+
+
 def kv_verdict(worker: Any) -> str:
     """Whether :func:`draft_extend_hook` can store keys and values only on this draft worker
     ("" = it can), checked once per worker: the drafter and its pool do not change."""
@@ -870,6 +920,7 @@ _CHECK = SimpleNamespace(steps=0, batches=0, prefills=0)
 _DEFER = SimpleNamespace(steps=DEFER_STEPS, rows=DEFER_ROWS)
 _PREFILL = SimpleNamespace(kv=True)  # ENV_OFF_PREFILL != "sglang", read at install
 _TRIM = SimpleNamespace(on=True)  # ENV_OFF_TRIM, read at install
+_FENCE = SimpleNamespace(read=False)  # ENV_OFF_FENCE == "read" under kv, read at install
 
 
 def _flush_or_drop(worker: Any) -> None:
@@ -931,6 +982,8 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
             leave_zeros(worker, batch, batch_result)
         else:
             stub_proposal(worker, batch, batch_result)
+        if _FENCE.read:
+            relay_read_done(worker)
     except Exception:
         COUNTERS.errors += 1
         COUNTERS.kv_fallbacks += 1
@@ -1059,6 +1112,7 @@ def install(register: Any, config: OffConfig) -> None:
     """
     register(DRAFT_EXTEND_WIDTH, draft_extend_width_hook)  # every depth, whatever the off path
     RESUME.enabled = False  # only kv leaves stub proposals that a resume would draft from
+    _FENCE.read = False  # only kv leaves the drafter's extend out, and with it its event
     if not config.plain:
         return
     _TRIM.on = _env_choice(ENV_OFF_TRIM, ("1", "0")) == "1"
@@ -1073,6 +1127,7 @@ def install(register: Any, config: OffConfig) -> None:
         _DEFER.steps = max(1, _env_int(ENV_OFF_DRAFT_DEFER, DEFER_STEPS))
         _PREFILL.kv = _env_choice(ENV_OFF_PREFILL, ("kv", "sglang")) == "kv"
         RESUME.enabled = _env_choice(ENV_OFF_RESUME, ("warm", "cold")) == "warm"
+        _FENCE.read = _env_choice(ENV_OFF_FENCE, ("read", "step")) == "read"
         register(DRAFT_EXTEND, draft_extend_hook)
         register(DRAFT, flush_first_hook)
         register(DRAFT_PREFILL, draft_prefill_hook)

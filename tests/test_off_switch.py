@@ -1202,3 +1202,65 @@ def test_trimming_is_the_default_and_can_be_turned_off(monkeypatch: pytest.Monke
     registered.clear()
     off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig(plain=False))
     assert off_switch.SAMPLE not in registered  # SGLang's own depth 0 keeps its sampling
+
+
+@pytest.mark.parametrize("name", off_switch.READ_DONE_EVENTS)
+def test_a_depth_0_step_fences_the_scheduler_at_its_plain_decodes_read(
+    eagle3: Any, spec: Any, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """SGLang's scheduler waits on the drafter runner's read-done event (0.5.17's name or
+    0.5.23's), and for the whole step without one. At depth 0 the event the target's DECODE graph
+    published this step is handed to the drafter's runner; one from an earlier step never is."""
+    import torch
+
+    monkeypatch.setattr(off_switch, "_FENCE", SimpleNamespace(read=True))
+    model = eagle3()
+    worker = draft_worker(model, pool_for(model), steps=0)
+    setattr(worker.draft_runner, name, None)
+    target = SimpleNamespace(decode_cuda_graph_runner=Graph(plain=True))
+    setattr(target, name, "an earlier step's event")
+    worker.target_worker = SimpleNamespace(model_runner=target)
+
+    def replayed(*a: Any, **kw: Any) -> Any:  # SGLang's prepare, then the DECODE graph's publish
+        out = sglang_prepare([])(*a, **kw)
+        setattr(target, name, "this step's event")
+        return out
+
+    batch, vi, _ = step(target.decode_cuda_graph_runner)
+    monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(lambda b, r, **kw: SimpleNamespace(mode=b.forward_mode, mark_forward_metadata_ready=lambda: None)))
+    off_switch.prepare_verify_hook(replayed, vi, None, batch, worker.target_worker)
+    relayed = off_switch.COUNTERS.relayed_fences
+    batch, result = decode_step()
+    with torch.inference_mode():
+        off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
+    assert getattr(worker.draft_runner, name) == "this step's event" and getattr(target, name) is None
+    assert off_switch.COUNTERS.relayed_fences == relayed + 1
+
+    # an eager step publishes nothing: the stale event is cleared at its prepare, none is handed on
+    setattr(target, name, "an earlier step's event")
+    setattr(worker.draft_runner, name, None)
+    batch, vi, _ = step(Graph(plain=True, fits=False))
+    target.decode_cuda_graph_runner = batch_graph = Graph(plain=True, fits=False)
+    off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, worker.target_worker)
+    assert batch_graph.loaded == [] and getattr(target, name) is None
+    batch, result = decode_step()
+    with torch.inference_mode():
+        off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
+    assert getattr(worker.draft_runner, name) is None  # the scheduler waits for the whole step
+
+    # "step": SGLang's fallback, nothing handed on
+    monkeypatch.setattr(off_switch, "_FENCE", SimpleNamespace(read=False))
+    setattr(target, name, "this step's event")
+    with torch.inference_mode():
+        off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
+    assert getattr(worker.draft_runner, name) is None
+
+
+def test_the_fence_is_read_under_kv_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(off_switch, "_FENCE", SimpleNamespace(read=False))
+    monkeypatch.setattr(off_switch, "RESUME", WarmResume())
+    monkeypatch.setenv(off_switch.SGLANG_SKIP_ENV, "0")  # skip's install sets it: put back after
+    for draft, value, read in (("kv", "", True), ("kv", "step", False), ("kv", "read", True), ("keep", "", False), ("skip", "read", False)):
+        monkeypatch.setenv(off_switch.ENV_OFF_FENCE, value)
+        off_switch.install(lambda target, fn: None, off_switch.OffConfig(draft=draft))
+        assert off_switch._FENCE.read is read, (draft, value)
