@@ -24,6 +24,8 @@ What SGLang builds for a one-node tree and nothing reads is left out (``SPECDEPT
 "1" by default): the verify forward batch (:class:`_DecodeInPlaceOfVerify`), the tree-sampling
 kernel of a greedy step (:func:`sample_hook`), the bonus-token kernel (:func:`bonus_hook`) and
 the stub proposal's fresh zeros (:func:`leave_zeros`). None changes a value SGLang reads later.
+Under ``kv`` the scheduler's next writes are fenced behind the plain decode's read of the shared
+buffers, not behind the whole step (:func:`relay_read_done`, ``SPECDEPTH_OFF_FENCE``).
 
 A third hook fixes a 0.5.17 bug that made the drafter's extend run eagerly at every adaptive
 depth but the starting one (:func:`draft_extend_width_hook`).
