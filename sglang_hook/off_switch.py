@@ -13,19 +13,12 @@ This module makes depth 0 a plain decode without forking SGLang, through two ARO
   ``DecodeCudaGraphRunner`` captured in DECODE mode (the split-KV decode kernels, SGLang's
   decode CUDA graphs) for every batch size the verify graphs had. It still returns the
   target's auxiliary hidden states, which the drafter's extend reads.
-- ``eagle_prepare_for_verify`` (every depth-0 step): SGLang's own prepare assigns the step's
-  KV slot exactly as for a verify, and its ``ForwardBatch.init_new`` builds the forward batch
-  in DECODE mode — sequence lengths counting the new token, no ``spec_info`` — which SGLang
-  then loads into the plain graph. Everything after the forward is SGLang's verify
-  bookkeeping: a one-token "tree" accepts its root and samples the bonus token from the same
-  logits a plain decode samples from, so greedy outputs are identical.
-
-What SGLang builds for a one-node tree and nothing reads is left out (``SPECDEPTH_OFF_TRIM``,
-"1" by default): the verify forward batch (:class:`_DecodeInPlaceOfVerify`), the tree-sampling
-kernel of a greedy step (:func:`sample_hook`), the bonus-token kernel (:func:`bonus_hook`) and
-the stub proposal's fresh zeros (:func:`leave_zeros`). None changes a value SGLang reads later.
-Under ``kv`` the scheduler's next writes are fenced behind the plain decode's read of the shared
-buffers, not behind the whole step (:func:`relay_read_done`, ``SPECDEPTH_OFF_FENCE``).
+- ``eagle_prepare_for_verify`` (every depth-0 step): SGLang assigns the step's KV slot exactly
+  as for a verify (its own code runs first), then the forward batch is rebuilt by SGLang's
+  ``ForwardBatch.init_new`` in DECODE mode — sequence lengths counting the new token, no
+  ``spec_info`` — and loaded into the plain graph. Everything after the forward is SGLang's
+  verify bookkeeping, unchanged: a one-token "tree" accepts its root and samples the bonus
+  token from the same logits a plain decode samples from, so greedy outputs are identical.
 
 A third hook fixes a 0.5.17 bug that made the drafter's extend run eagerly at every adaptive
 depth but the starting one (:func:`draft_extend_width_hook`).
@@ -110,14 +103,6 @@ ENV_OFF_PREFILL = "SPECDEPTH_OFF_PREFILL"
 # Under ``kv``, "warm" (default): drafting resumes after one more depth-0 step that runs
 # SGLang's whole extend (:class:`WarmResume`); "cold": it drafts at once from the zeroed stub.
 ENV_OFF_RESUME = "SPECDEPTH_OFF_RESUME"
-# "1" (default): a depth-0 step leaves out what SGLang builds for a one-node verify and nothing
-# reads (:func:`prepare_verify_hook`, :func:`sample_hook`, :func:`bonus_hook`, :func:`leave_zeros`);
-# "0": SGLang's own code for each, as before these were measured (for A/B runs).
-ENV_OFF_TRIM = "SPECDEPTH_OFF_TRIM"
-# Under ``kv``, "read" (default): the scheduler's next writes wait only until the depth-0
-# step's plain decode has read the shared buffers (:func:`relay_read_done`); "step": until the
-# whole step is done, as SGLang falls back to when the drafter's extend does not run.
-ENV_OFF_FENCE = "SPECDEPTH_OFF_FENCE"
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
 BUILD_STATE = WORKER + ".EAGLEWorkerV2.build_adaptive_runtime_state"
@@ -126,20 +111,11 @@ PREPARE_VERIFY = "sglang.srt.speculative.eagle_worker_common.eagle_prepare_for_v
 PLAIN_MARK = "specdepth_plain_decode"
 # On a draft worker, once checked: "" when the KV-only update runs there, else why it cannot.
 KV_VERDICT_MARK = "specdepth_kv_verdict"
-# On a draft worker: the zeros it leaves as the proposal of a depth-0 step (:func:`leave_zeros`).
-STUB_MARK = "specdepth_zero_stub"
 # The drafter's extend after each verify; at depth 0 with ``kv`` the KV-only update replaces it.
 DRAFT_EXTEND = WORKER + ".EagleDraftWorker._draft_extend_for_decode"
 # The draft worker's other two uses of the drafter's cache: owed depth-0 updates go first.
 DRAFT = WORKER + ".EagleDraftWorker.draft"
 DRAFT_PREFILL = WORKER + ".EagleDraftWorker._draft_extend_for_prefill"
-# The event a runner publishes once its forward has read the shared buffers (the request-to-token
-# table), which SGLang's WAR barrier waits on before the scheduler writes them again: 0.5.17's
-# name, then 0.5.23's.
-READ_DONE_EVENTS = ("war_fastpath_read_done_event", "shared_read_done_event")
-# The verify's sampling and bonus token, as run_eagle_verify calls them (its module's names).
-SAMPLE = "sglang.srt.speculative.eagle_worker_common.eagle_sample"
-FILL_BONUS = "sglang.srt.speculative.eagle_worker_common.fill_bonus_tokens_func"
 # The width the drafter's extend graphs are captured at, as the graph runner looks it up.
 DRAFT_EXTEND_WIDTH = "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.resolve_num_tokens_per_req"
 
@@ -172,8 +148,6 @@ class OffCounters:
     kv_prefill_identical: int = 0
     kv_prefill_max_d: float = 0.0
     warm_extends: int = 0  # depth-0 steps WarmResume inserted, whose drafter extend was SGLang's whole one
-    trimmed_samples: int = 0  # ENV_OFF_TRIM: depth-0 steps sampled without SGLang's tree kernel
-    relayed_fences: int = 0  # ENV_OFF_FENCE: depth-0 steps whose plain decode's read-done event fenced the scheduler
 
 
 COUNTERS = OffCounters()
@@ -311,12 +285,11 @@ def build_state_hook(original: Any, worker: Any, speculative_num_steps: int, *ar
     return state
 
 
-def decode_forward_batch(batch: Any, model_runner: Any, init_new: Any = None) -> Any:
+def decode_forward_batch(batch: Any, model_runner: Any) -> Any:
     """SGLang's DECODE ``ForwardBatch`` for a depth-0 step whose KV slot the verify prepare assigned.
 
     Spec v2 keeps ``batch.seq_lens`` as the length before this step's token; a decode counts it.
-    The batch is changed only for the ``init_new`` call (SGLang's ``ForwardBatch.init_new`` unless
-    given) and restored after it.
+    The batch is changed only for the ``init_new`` call and restored after it.
     """
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
@@ -329,7 +302,7 @@ def decode_forward_batch(batch: Any, model_runner: Any, init_new: Any = None) ->
         batch.seq_lens_sum = None if saved[3] is None else saved[3] + bs
         batch.orig_seq_lens = None if saved[4] is None else saved[4] + 1
         batch.spec_info = None
-        return (init_new or ForwardBatch.init_new)(
+        return ForwardBatch.init_new(
             batch,
             model_runner,
             capture_hidden_mode=CaptureHiddenMode.FULL,
@@ -346,109 +319,35 @@ def decode_forward_batch(batch: Any, model_runner: Any, init_new: Any = None) ->
         ) = saved
 
 
-class _DecodeInPlaceOfVerify:
-    """For one call of SGLang's ``eagle_prepare_for_verify``: its ``ForwardBatch.init_new`` of
-    ``batch`` builds the DECODE forward batch (:func:`decode_forward_batch`) instead of the
-    TARGET_VERIFY one, so SGLang's own code goes on to load it into the plain graph and mark it
-    ready, and no verify batch is built to be thrown away. If the DECODE batch cannot be built,
-    ``failed`` is set and SGLang gets its verify batch after all, which the plain graph refuses
-    to replay (:func:`plain_runner_class`), so it runs eagerly."""
-
-    def __init__(self, batch: Any, runner: Any) -> None:
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-        self.batch, self.runner, self.cls = batch, runner, ForwardBatch
-        self.real = ForwardBatch.__dict__["init_new"]  # the classmethod itself, put back on exit
-        self.swapped = False
-        self.failed = False
-
-    def init_new(self, cls: Any, batch: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
-        real = self.real.__get__(None, cls)
-        if self.swapped or batch is not self.batch or model_runner is not self.runner:
-            return real(batch, model_runner, *args, **kwargs)
-        self.swapped = True
-        try:
-            return decode_forward_batch(batch, model_runner, real)
-        except Exception:
-            self.failed = True
-            _log_once("prepare", logging.ERROR, "spec controller: plain decode step failed; verifying instead", exc=True)
-            return real(batch, model_runner, *args, **kwargs)
-
-    def __enter__(self) -> _DecodeInPlaceOfVerify:
-        swap = self
-
-        def init_new(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            return swap.init_new(cls, *args, **kwargs)
-
-        self.cls.init_new = classmethod(init_new)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.cls.init_new = self.real
-
-
-def _verify_instead(original: Any, runner: Any, graph: Any, *call: Any, **kwargs: Any) -> Any:
-    """SGLang's whole prepare with the graph runner hidden: its verify batch, never loaded into
-    the plain graph. SGLang's side effects on the batch (KV slot, input ids) are the same however
-    often it runs."""
-    runner.decode_cuda_graph_runner = None
-    try:
-        return original(*call, **kwargs)[0]
-    finally:
-        runner.decode_cuda_graph_runner = graph
-
-
-def _fell_back(verify_fb: Any, logged: bool = False) -> tuple[Any, bool]:
-    COUNTERS.errors += 1
-    COUNTERS.verify_fallbacks += 1
-    if not logged:
-        _log_once("prepare", logging.ERROR, "spec controller: plain decode step failed; verifying instead", exc=True)
-    return verify_fb, False  # SGLang's verify batch, run eagerly: correct, slower
-
-
 def prepare_verify_hook(
     original: Any, verify_input: Any, req_to_token_pool: Any, batch: Any, target_worker: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    """AROUND ``eagle_prepare_for_verify``: a depth-0 step becomes a DECODE forward batch.
-
-    SGLang's own prepare runs whole: it assigns the KV slot and input ids as for a verify. Trimmed
-    (the default, ``ENV_OFF_TRIM``), its ``init_new`` builds the DECODE batch in place of the
-    verify one (:class:`_DecodeInPlaceOfVerify`) and SGLang loads it into the plain graph
-    itself. Otherwise SGLang's verify batch is built with the graph runner hidden, then thrown
-    away for the DECODE one.
-    """
-    call = (verify_input, req_to_token_pool, batch, target_worker, *args)
+    """AROUND ``eagle_prepare_for_verify``: a depth-0 step becomes a DECODE forward batch."""
     if getattr(verify_input, "draft_token_num", None) != 1 or batch.forward_mode.is_idle():
-        return original(*call, **kwargs)
+        return original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
     runner = target_worker.model_runner
     graph = runner.decode_cuda_graph_runner
     if graph is not None and not is_plain(graph):
         COUNTERS.verify_fallbacks += 1  # depth 0 without a plain graph: SGLang's verify
-        return original(*call, **kwargs)
-    if _FENCE.read:
-        forget_read_done(runner)  # any event the drafter's extend relays must be this step's
-    if _TRIM.on:
-        swap = _DecodeInPlaceOfVerify(batch, runner)
-        try:
-            with swap:
-                fb, can_graph = original(*call, **kwargs)
-        except Exception:
-            return _fell_back(_verify_instead(original, runner, graph, *call, **kwargs))
-        if swap.failed:
-            return _fell_back(fb, logged=True)  # SGLang's verify batch: the plain graph refused it
-        if not swap.swapped:  # SGLang built no forward batch of this batch: not the prepare we know
-            _log_once("swap", logging.ERROR, "spec controller: SGLang's verify prepare built no forward batch to replace")
-            return _fell_back(fb, logged=True)
-    else:
-        verify_fb = _verify_instead(original, runner, graph, *call, **kwargs)
-        try:
-            fb = decode_forward_batch(batch, runner)
-            can_graph = bool(graph is not None and graph.can_run_graph(fb))
-            if can_graph:
-                graph.load_batch(fb)
-                fb.mark_forward_metadata_ready()
-        except Exception:
-            return _fell_back(verify_fb)
+        return original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
+    # SGLang's own prepare assigns the KV slot and input ids; it must not load its TARGET_VERIFY
+    # batch into the plain graph, so it sees no graph runner.
+    runner.decode_cuda_graph_runner = None
+    try:
+        verify_fb, _ = original(verify_input, req_to_token_pool, batch, target_worker, *args, **kwargs)
+    finally:
+        runner.decode_cuda_graph_runner = graph
+    try:
+        fb = decode_forward_batch(batch, runner)
+        can_graph = bool(graph is not None and graph.can_run_graph(fb))
+        if can_graph:
+            graph.load_batch(fb)
+            fb.mark_forward_metadata_ready()
+    except Exception:
+        COUNTERS.errors += 1
+        COUNTERS.verify_fallbacks += 1
+        _log_once("prepare", logging.ERROR, "spec controller: plain decode step failed; verifying instead", exc=True)
+        return verify_fb, False  # SGLang's verify batch, run eagerly: correct, slower
     COUNTERS.plain_steps += 1
     COUNTERS.graph_steps += can_graph
     if COUNTERS.plain_steps == 1:
@@ -668,125 +567,6 @@ def stub_proposal(worker: Any, batch: Any, batch_result: Any) -> None:
     EAGLEWorkerV2._stub_skipped_draft_extend(owner, batch, batch_result)
 
 
-def sample_hook(original: Any, verify_input: Any, batch: Any, logits_output: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``eagle_sample`` (as ``run_eagle_verify`` calls it): a greedy one-node tree, sampled
-    as a plain decode samples.
-
-    For a tree of its root alone SGLang's ``verify_tree_greedy`` accepts the root and writes the
-    argmax of the root's logits, so the step's token is ``argmax(logits)`` (what a plain server's
-    greedy sampler takes), one token is accepted per request, and the accepted index of request
-    ``b`` is ``b``. Those three tensors are returned here without SGLang's buffers, tree kernel and
-    imports. Anything else goes to SGLang: another width, an idle batch, a grammar mask, sampling,
-    penalties or a logit bias (which SGLang applies to the logits first), logprobs, and SGLang's
-    simulated acceptance.
-    """
-    # 0.5.23 adds arguments (a top-k bound for sampling, a watermark); each left unset changes
-    # nothing for a greedy root, and whether a mask covers the whole tree matters only to a watermark.
-    extra = [v for k, v in kwargs.items() if k != "watermark_full_mask"]
-    info = getattr(batch, "sampling_info", None)
-    if (
-        any(v is not None for v in (*args, *extra))
-        or getattr(verify_input, "draft_token_num", None) != 1
-        or batch.forward_mode.is_idle()
-        or batch.return_logprob
-        or info is None
-        or not info.is_all_greedy
-        or info.acc_additive_penalties is not None
-        or info.acc_scaling_penalties is not None
-        or info.logit_bias is not None
-        or _simulated_acceptance()
-    ):
-        return original(verify_input, batch, logits_output, *args, **kwargs)
-    from sglang.srt.utils.async_probe import sanitize_nan_logits
-
-    logits = logits_output.next_token_logits
-    sanitize_nan_logits(logits, "verify: target model logits")  # as SGLang's: off unless asked for
-    bs = logits.shape[0]
-    # Tensor methods only (the hook imports no torch): int32, as SGLang's kernel writes them.
-    predict = logits.argmax(dim=-1).int()
-    accept_lens = predict.new_ones((bs,))
-    accept_index = accept_lens.cumsum(0, dtype=predict.dtype).sub_(1).view(bs, 1)
-    COUNTERS.trimmed_samples += 1
-    return predict, accept_lens, accept_index
-
-
-def _simulated_acceptance() -> bool:
-    from sglang.srt.speculative import spec_utils
-
-    return bool(getattr(spec_utils, "SIMULATE_ACC_LEN", 0) > 0)
-
-
-def bonus_hook(original: Any, accept_tokens: Any, accept_lens: Any, bonus_tokens: Any, accept_stride: int, batch_size: int, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``fill_bonus_tokens_func``: with one accepted slot per request (the width of a
-    depth-0 tree) each request's bonus token is its one accepted token, a copy, not a kernel.
-
-    SGLang's kernel reads ``accept_tokens[stride * b + accept_lens[b] - 1]``; an accepted length
-    is at least 1 (the root) and at most the stride, so at stride 1 that is ``accept_tokens[b]``.
-    """
-    if args or kwargs or accept_stride != 1:
-        return original(accept_tokens, accept_lens, bonus_tokens, accept_stride, batch_size, *args, **kwargs)
-    bonus_tokens.copy_(accept_tokens.reshape(-1)[:batch_size])
-    return None
-
-
-def leave_zeros(worker: Any, batch: Any, batch_result: Any) -> None:
-    """SGLang's skip stub (:func:`stub_proposal`), its zeros made once per draft worker.
-
-    The stub's tensors are only read after they are left (the overlap scheduler's future map
-    copies them; a cold resume drafts from them), never written, so one set of zeros, as large as
-    the largest batch so far, serves every step as row views. A larger batch runs SGLang's stub,
-    whose zeros become the set.
-    """
-    zeros: dict[str, Any] = getattr(worker, STUB_MARK, None) or {}
-    bs = len(batch.seq_lens)
-    proposal = batch_result.next_draft_input
-    if zeros and all(t.shape[0] >= bs and t.device == batch.seq_lens.device for t in zeros.values()):
-        for name, t in zeros.items():
-            setattr(proposal, name, t[:bs])
-        return
-    stub_proposal(worker, batch, batch_result)
-    fields = ("topk_p", "topk_index", "hidden_states")
-    setattr(worker, STUB_MARK, {name: t for name in fields if (t := getattr(proposal, name, None)) is not None})
-
-def _read_done_name(runner: Any) -> str | None:
-    return next((name for name in READ_DONE_EVENTS if hasattr(runner, name)), None)
-
-
-def forget_read_done(runner: Any) -> None:
-    """Clear ``runner``'s read-done event, so that one found after this step's forward is this step's."""
-    name = _read_done_name(runner)
-    if name is not None:
-        setattr(runner, name, None)
-
-
-def relay_read_done(worker: Any) -> bool:
-    """Hand the depth-0 step's read-done event from the target's runner to the drafter's.
-
-    SGLang's scheduler fences its next writes of the shared buffers behind the read-done event of
-    the runner whose phase reads them last, for EAGLE the drafter's extend (its attention reads
-    the request-to-token table). Under ``kv`` no extend runs, so no event is published and the
-    scheduler falls back to waiting for the whole step: the next step's preparation then starts
-    on the GPU only after this step ends, instead of beside it. At depth 0 the last phase that
-    reads them is the target's plain decode, whose DECODE graph publishes the event on the
-    target's runner (as on a plain server); what follows reads only this step's own tensors
-    (the sampling, the bonus token, the drafter's keys and values by slot) — the shape of
-    SGLang's DFlash step, whose event is its target verify's. Returns whether an event was
-    handed on: none when the step ran eagerly, and the scheduler waits for the whole step.
-    """
-    target = getattr(getattr(worker, "target_worker", None), "model_runner", None)
-    draft = getattr(worker, "draft_runner", None)
-    name = _read_done_name(target) if target is not None else None
-    if name is None or not hasattr(draft, name):
-        return False
-    event = getattr(target, name)
-    if event is None:
-        return False
-    setattr(target, name, None)
-    setattr(draft, name, event)
-    COUNTERS.relayed_fences += 1
-    return True
-
-
 def kv_verdict(worker: Any) -> str:
     """Whether :func:`draft_extend_hook` can store keys and values only on this draft worker
     ("" = it can), checked once per worker: the drafter and its pool do not change."""
@@ -921,8 +701,6 @@ PREFILL_OFF_MARK = "specdepth_kv_prefill_failed"  # set on a draft worker whose 
 _CHECK = SimpleNamespace(steps=0, batches=0, prefills=0)
 _DEFER = SimpleNamespace(steps=DEFER_STEPS, rows=DEFER_ROWS)
 _PREFILL = SimpleNamespace(kv=True)  # ENV_OFF_PREFILL != "sglang", read at install
-_TRIM = SimpleNamespace(on=True)  # ENV_OFF_TRIM, read at install
-_FENCE = SimpleNamespace(read=False)  # ENV_OFF_FENCE == "read" under kv, read at install
 
 
 def _flush_or_drop(worker: Any) -> None:
@@ -980,12 +758,7 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
             pending.add(ids, positions, hidden, loc)
             if pending.full():
                 flush_kv(worker)
-        if _TRIM.on:
-            leave_zeros(worker, batch, batch_result)
-        else:
-            stub_proposal(worker, batch, batch_result)
-        if _FENCE.read:
-            relay_read_done(worker)
+        stub_proposal(worker, batch, batch_result)
     except Exception:
         COUNTERS.errors += 1
         COUNTERS.kv_fallbacks += 1
@@ -1114,13 +887,8 @@ def install(register: Any, config: OffConfig) -> None:
     """
     register(DRAFT_EXTEND_WIDTH, draft_extend_width_hook)  # every depth, whatever the off path
     RESUME.enabled = False  # only kv leaves stub proposals that a resume would draft from
-    _FENCE.read = False  # only kv leaves the drafter's extend out, and with it its event
     if not config.plain:
         return
-    _TRIM.on = _env_choice(ENV_OFF_TRIM, ("1", "0")) == "1"
-    if _TRIM.on:
-        register(SAMPLE, sample_hook)
-        register(FILL_BONUS, bonus_hook)
     if config.draft == "skip":
         os.environ[SGLANG_SKIP_ENV] = "1"
     if config.draft == "kv":
@@ -1129,7 +897,6 @@ def install(register: Any, config: OffConfig) -> None:
         _DEFER.steps = max(1, _env_int(ENV_OFF_DRAFT_DEFER, DEFER_STEPS))
         _PREFILL.kv = _env_choice(ENV_OFF_PREFILL, ("kv", "sglang")) == "kv"
         RESUME.enabled = _env_choice(ENV_OFF_RESUME, ("warm", "cold")) == "warm"
-        _FENCE.read = _env_choice(ENV_OFF_FENCE, ("read", "step")) == "read"
         register(DRAFT_EXTEND, draft_extend_hook)
         register(DRAFT, flush_first_hook)
         register(DRAFT_PREFILL, draft_prefill_hook)

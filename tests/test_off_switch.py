@@ -133,8 +133,7 @@ def test_build_state_leaves_standalone_speculation_alone() -> None:
 
 
 class Graph:
-    """A decode graph runner's surface as the prepare hook uses it (a plain one replays DECODE
-    batches only, as :func:`off_switch.plain_runner_class` makes it)."""
+    """A decode graph runner's surface as the prepare hook uses it."""
 
     def __init__(self, plain: bool, fits: bool = True) -> None:
         self.specdepth_plain_decode = plain
@@ -142,7 +141,7 @@ class Graph:
         self.loaded: list[Any] = []
 
     def can_run_graph(self, fb: Any) -> bool:
-        return self.fits and (not self.specdepth_plain_decode or fb.mode == ForwardMode.DECODE)
+        return self.fits
 
     def load_batch(self, fb: Any) -> None:
         self.loaded.append(fb)
@@ -165,22 +164,12 @@ def step(graph: Graph | None, draft_tokens: int = 1) -> tuple[Any, Any, Any]:
 
 
 def sglang_prepare(log: list[Any]) -> Any:
-    """SGLang's eagle_prepare_for_verify from its forward batch on (0.5.17 and 0.5.23 alike):
-    the verify mode, ``ForwardBatch.init_new``, and the graph's load when it can run it."""
+    """What SGLang's eagle_prepare_for_verify does to the batch, and what it returns."""
 
-    def prepare(verify_input: Any, pool: Any, batch: Any, target_worker: Any) -> tuple[Any, bool]:
-        runner = target_worker.model_runner
-        graph = runner.decode_cuda_graph_runner
-        log.append(graph)
+    def prepare(verify_input: Any, pool: Any, batch: Any, target_worker: Any) -> tuple[str, bool]:
+        log.append(target_worker.model_runner.decode_cuda_graph_runner)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
-        fb = ForwardBatch.init_new(
-            batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL, return_hidden_states_before_norm=False
-        )
-        can = bool(graph is not None and graph.can_run_graph(fb))
-        if can:
-            graph.load_batch(fb)
-            fb.mark_forward_metadata_ready()
-        return fb, can
+        return "verify-fb", target_worker.model_runner.decode_cuda_graph_runner is not None
 
     return prepare
 
@@ -202,108 +191,69 @@ def decode_init(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
                 "hidden": capture_hidden_mode,
             }
         )
-        fb = SimpleNamespace(mode=batch.forward_mode, ready=False)
-        fb.mark_forward_metadata_ready = lambda: setattr(fb, "ready", True)
-        return fb
+        return SimpleNamespace(ready=False, mark_forward_metadata_ready=lambda: None)
 
     monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(init_new))
     return seen
 
 
-DECODE_SEEN = {
-    "mode": ForwardMode.DECODE,
-    "seq_lens": [6, 8, 10],  # a decode counts the step's own token
-    "seq_lens_cpu": [6, 8, 10],
-    "seq_lens_sum": 24,
-    "orig": [6, 8, 10],
-    "spec_info": None,
-    "hidden": CaptureHiddenMode.FULL,
-}
-
-
-@pytest.fixture(params=[True, False], ids=["trimmed", "untrimmed"])
-def trim(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    monkeypatch.setattr(off_switch._TRIM, "on", request.param)
-    return bool(request.param)
-
-
-def test_depth_0_step_becomes_a_decode_batch(decode_init: list[dict[str, Any]], trim: bool) -> None:
+def test_depth_0_step_becomes_a_decode_batch(decode_init: list[dict[str, Any]]) -> None:
     graph = Graph(plain=True)
     batch, vi, tw = step(graph)
     log: list[Any] = []
-    swapped = ForwardBatch.__dict__["init_new"]
     fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
-    assert ForwardBatch.__dict__["init_new"] is swapped  # SGLang's name is SGLang's again
+    assert log == [None]  # SGLang's prepare never loads its verify batch into the plain graph
     assert tw.model_runner.decode_cuda_graph_runner is graph
-    assert can_graph and graph.loaded == [fb] and fb.mode == ForwardMode.DECODE and fb.ready
-    if trim:  # SGLang's own prepare loads the DECODE batch; no verify batch is built at all
-        assert log == [graph] and decode_init == [DECODE_SEEN]
-    else:  # SGLang's verify batch is built with the graph hidden, then the DECODE one
-        assert log == [None] and [d["mode"] for d in decode_init] == [ForwardMode.TARGET_VERIFY, ForwardMode.DECODE]
-        assert decode_init[1] == DECODE_SEEN
+    assert can_graph and graph.loaded == [fb]
+    assert decode_init == [
+        {
+            "mode": ForwardMode.DECODE,
+            "seq_lens": [6, 8, 10],  # a decode counts the step's own token
+            "seq_lens_cpu": [6, 8, 10],
+            "seq_lens_sum": 24,
+            "orig": [6, 8, 10],
+            "spec_info": None,
+            "hidden": CaptureHiddenMode.FULL,
+        }
+    ]
     # ... and the batch is SGLang's again: spec v2's lengths, the verify mode SGLang set.
     assert batch.seq_lens.tolist() == [5, 7, 9] and batch.seq_lens_sum == 21 and batch.spec_info == "draft-input"
     assert batch.forward_mode == ForwardMode.TARGET_VERIFY
 
 
-def test_depth_0_runs_eagerly_where_no_graph_fits(decode_init: list[dict[str, Any]], trim: bool) -> None:
+def test_depth_0_runs_eagerly_where_no_graph_fits(decode_init: list[dict[str, Any]]) -> None:
     graph = Graph(plain=True, fits=False)
     batch, vi, tw = step(graph)
     fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw)
-    assert not can_graph and graph.loaded == [] and fb.mode == ForwardMode.DECODE
+    assert not can_graph and graph.loaded == [] and fb != "verify-fb"
     batch, vi, tw = step(None)  # CUDA graphs off
     fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw)
-    assert not can_graph and fb.mode == ForwardMode.DECODE
+    assert not can_graph and fb != "verify-fb"
 
 
-def test_other_steps_and_verify_graphs_go_to_sglang(decode_init: list[dict[str, Any]], trim: bool) -> None:
+def test_other_steps_and_verify_graphs_go_to_sglang(decode_init: list[dict[str, Any]]) -> None:
     log: list[Any] = []
-    batch, vi, tw = step(Graph(plain=False), draft_tokens=4)
-    fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
-    assert can_graph and fb.mode == ForwardMode.TARGET_VERIFY
+    batch, vi, tw = step(Graph(plain=True), draft_tokens=4)
+    assert off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw) == ("verify-fb", True)
     fallbacks = off_switch.COUNTERS.verify_fallbacks
     verify_graph = Graph(plain=False)  # the plain graph was never built: never replay DECODE in it
     batch, vi, tw = step(verify_graph)
-    fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
-    assert can_graph and fb.mode == ForwardMode.TARGET_VERIFY and verify_graph.loaded == [fb]
+    assert off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw) == ("verify-fb", True)
     assert off_switch.COUNTERS.verify_fallbacks == fallbacks + 1
-    assert [d["mode"] for d in decode_init] == [ForwardMode.TARGET_VERIFY] * 2
+    assert decode_init == []
 
 
-def test_a_failing_plain_step_verifies_eagerly(monkeypatch: pytest.MonkeyPatch, trim: bool) -> None:
-    def verify_only(batch: Any, model_runner: Any, **kw: Any) -> Any:
-        if batch.forward_mode == ForwardMode.DECODE:
-            raise RuntimeError("SGLang changed")
-        return SimpleNamespace(mode=batch.forward_mode)
+def test_a_failing_plain_step_verifies_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*a: Any, **kw: Any) -> Any:
+        raise RuntimeError("SGLang changed")
 
-    monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(verify_only))
+    monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(broken))
     graph = Graph(plain=True)
     batch, vi, tw = step(graph)
     errors = off_switch.COUNTERS.errors
-    fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw)
-    assert fb.mode == ForwardMode.TARGET_VERIFY and not can_graph  # SGLang's verify, run eagerly
+    assert off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw) == ("verify-fb", False)
     assert off_switch.COUNTERS.errors == errors + 1 and graph.loaded == []
     assert batch.seq_lens.tolist() == [5, 7, 9] and batch.spec_info == "draft-input"
-    assert tw.model_runner.decode_cuda_graph_runner is graph
-
-
-def test_a_prepare_that_fails_on_the_decode_batch_runs_sglangs_again_with_the_graph_hidden(
-    decode_init: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(off_switch._TRIM, "on", True)
-
-    class Refusing(Graph):
-        def load_batch(self, fb: Any) -> None:
-            raise RuntimeError("the graph's buffers are too small")
-
-    graph = Refusing(plain=True)
-    batch, vi, tw = step(graph)
-    log: list[Any] = []
-    fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
-    assert log == [graph, None]  # the second run saw no graph runner: its verify batch runs eagerly
-    assert fb.mode == ForwardMode.TARGET_VERIFY and not can_graph
-    assert tw.model_runner.decode_cuda_graph_runner is graph
-    assert ForwardBatch.__dict__["init_new"].__func__.__name__ == "init_new"  # the fixture's, put back
 
 
 def test_plugin_installs_the_off_switch_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -888,7 +838,6 @@ def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.
     monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=off_switch.DEFER_STEPS, rows=off_switch.DEFER_ROWS))
     monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
     monkeypatch.setattr(off_switch, "RESUME", WarmResume())
-    monkeypatch.setattr(off_switch, "_TRIM", SimpleNamespace(on=True))
     registered: list[str] = []
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "60")
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_DEFER, "0")  # 0 and 1: every step stores its own
@@ -1073,194 +1022,3 @@ def test_a_failing_step_still_stores_what_earlier_steps_owe(eagle3: Any, defer: 
     ref = stored_at_once(model, steps[:2])  # the two steps before it were stored, not dropped
     for got, want in zip(pool.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-# --- a trimmed depth-0 step: what SGLang builds for a one-node verify and nothing reads ---
-
-
-def greedy_step(bs: int = 4, vocab: int = 50, **changes: Any) -> tuple[Any, Any, Any]:
-    """A depth-0 verify's input, batch and target logits, all greedy, as eagle_sample sees them."""
-    import torch
-
-    info = SimpleNamespace(is_all_greedy=True, acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=None)
-    batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, sampling_info=info, return_logprob=False)
-    verify_input = SimpleNamespace(draft_token_num=1)
-    for key, value in changes.items():
-        target = info if hasattr(info, key) else batch if hasattr(batch, key) else verify_input
-        setattr(target, key, value)
-    logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(bs))
-    return verify_input, batch, SimpleNamespace(next_token_logits=logits)
-
-
-def test_a_greedy_depth_0_step_is_sampled_as_a_plain_decode_samples() -> None:
-    import torch
-
-    verify_input, batch, out = greedy_step()
-    before = off_switch.COUNTERS.trimmed_samples
-    predict, accept_lens, accept_index = off_switch.sample_hook(
-        lambda *a, **kw: pytest.fail("SGLang's sampling ran"), verify_input, batch, out, None
-    )
-    # the argmax of the root's logits, one accepted token each, request b's accepted slot is b
-    assert predict.dtype == torch.int32 and predict.tolist() == out.next_token_logits.argmax(-1).tolist()
-    assert accept_lens.dtype == torch.int32 and accept_lens.tolist() == [1, 1, 1, 1]
-    assert accept_index.dtype == torch.int32 and accept_index.tolist() == [[0], [1], [2], [3]]
-    assert off_switch.COUNTERS.trimmed_samples == before + 1
-    # 0.5.23's extra arguments, unset: the same
-    got = off_switch.sample_hook(lambda *a, **kw: pytest.fail("SGLang's sampling ran"), verify_input, batch, out,
-                                 None, uno_target_max_top_k=None, watermark_state=None, watermark_full_mask=False)  # fmt: skip
-    assert got[0].tolist() == predict.tolist()
-
-
-@pytest.mark.parametrize(
-    ("changes", "extra"),
-    [
-        ({"draft_token_num": 4}, {}),  # a drafted tree
-        ({"forward_mode": ForwardMode.IDLE}, {}),
-        ({"return_logprob": True}, {}),  # SGLang's logprobs read its accept index
-        ({"is_all_greedy": False}, {}),  # sampling
-        ({"acc_additive_penalties": object()}, {}),  # penalties and biases change the logits first
-        ({"acc_scaling_penalties": object()}, {}),
-        ({"logit_bias": object()}, {}),
-        ({}, {"grammar_mask": object()}),
-        ({}, {"watermark_state": object()}),
-    ],
-    ids=["drafted", "idle", "logprobs", "sampling", "additive", "scaling", "bias", "grammar", "watermark"],
-)
-def test_every_other_verify_is_sampled_by_sglang(changes: dict[str, Any], extra: dict[str, Any]) -> None:
-    verify_input, batch, out = greedy_step(**changes)
-    calls: list[Any] = []
-    assert off_switch.sample_hook(lambda *a, **kw: calls.append((a, kw)) or "sglang", verify_input, batch, out, **extra) == "sglang"
-    assert calls == [((verify_input, batch, out), extra)]
-
-
-def test_sglangs_simulated_acceptance_keeps_its_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang.srt.speculative import spec_utils
-
-    monkeypatch.setattr(spec_utils, "SIMULATE_ACC_LEN", 2.0)
-    verify_input, batch, out = greedy_step()
-    assert off_switch.sample_hook(lambda *a, **kw: "sglang", verify_input, batch, out, None) == "sglang"
-
-
-def test_at_stride_1_the_bonus_token_is_the_accepted_one() -> None:
-    import torch
-
-    def kernel(accept_tokens: Any, accept_lens: Any, bonus: Any, stride: int, bs: int) -> None:
-        """SGLang's fill_bonus_tokens, as its Triton kernel reads and writes, for any stride."""
-        for b in range(bs):
-            bonus[b] = accept_tokens.reshape(-1)[stride * b + int(accept_lens[b]) - 1]
-
-    accept_tokens = torch.tensor([[11], [12], [13], [14]], dtype=torch.int32)
-    ones = torch.ones(4, dtype=torch.int32)
-    ours, sglangs = torch.full((4,), -1, dtype=torch.int32), torch.full((4,), -1, dtype=torch.int32)
-    assert off_switch.bonus_hook(lambda *a: pytest.fail("the kernel ran"), accept_tokens, ones, ours, 1, 4) is None
-    kernel(accept_tokens, ones, sglangs, 1, 4)
-    assert ours.tolist() == sglangs.tolist() == [11, 12, 13, 14]
-    drafted = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)  # depth 2: SGLang's kernel
-    seen: list[int] = []
-    off_switch.bonus_hook(lambda *a: seen.append(a[3]), drafted, torch.tensor([2, 3]), torch.empty(2), 3, 2)
-    assert seen == [3]
-
-
-def test_depth_0_leaves_one_set_of_zeros_as_its_proposal(eagle3: Any) -> None:
-    import torch
-
-    model = eagle3()
-    worker = draft_worker(model, pool_for(model), steps=0)
-
-    def left(bs: int) -> Any:
-        batch = SimpleNamespace(seq_lens=torch.arange(bs))
-        result = SimpleNamespace(next_draft_input=SimpleNamespace(topk_p=None, topk_index=None, hidden_states=None))
-        off_switch.leave_zeros(worker, batch, result)
-        return result.next_draft_input
-
-    def sglangs(bs: int) -> Any:
-        batch = SimpleNamespace(seq_lens=torch.arange(bs))
-        result = SimpleNamespace(next_draft_input=SimpleNamespace(topk_p=None, topk_index=None, hidden_states=None))
-        off_switch.stub_proposal(worker, batch, result)
-        return result.next_draft_input
-
-    first, smaller, larger = left(3), left(2), left(5)
-    for got, bs in ((first, 3), (smaller, 2), (larger, 5)):  # SGLang's stub at every size: zeros alike
-        want = sglangs(bs)
-        for name in ("topk_p", "topk_index", "hidden_states"):
-            t, w = getattr(got, name), getattr(want, name)
-            assert t.shape == w.shape and t.dtype == w.dtype and not t.any(), name
-    assert smaller.hidden_states.data_ptr() == first.hidden_states.data_ptr()  # rows of the same zeros
-    assert larger.hidden_states.data_ptr() != first.hidden_states.data_ptr()  # a larger batch: SGLang's stub
-    assert left(4).topk_p.data_ptr() == larger.topk_p.data_ptr()
-
-
-def test_trimming_is_the_default_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(off_switch, "_TRIM", SimpleNamespace(on=True))
-    registered: list[str] = []
-    for value, trimmed in (("", True), ("0", False), ("1", True), ("yes", True)):
-        monkeypatch.setenv(off_switch.ENV_OFF_TRIM, value)
-        registered.clear()
-        off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig())
-        assert off_switch._TRIM.on is trimmed
-        assert (off_switch.SAMPLE in registered, off_switch.FILL_BONUS in registered) == (trimmed, trimmed)
-    registered.clear()
-    off_switch.install(lambda target, fn: registered.append(target), off_switch.OffConfig(plain=False))
-    assert off_switch.SAMPLE not in registered  # SGLang's own depth 0 keeps its sampling
-
-
-@pytest.mark.parametrize("name", off_switch.READ_DONE_EVENTS)
-def test_a_depth_0_step_fences_the_scheduler_at_its_plain_decodes_read(
-    eagle3: Any, spec: Any, monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
-    """SGLang's scheduler waits on the drafter runner's read-done event (0.5.17's name or
-    0.5.23's), and for the whole step without one. At depth 0 the event the target's DECODE graph
-    published this step is handed to the drafter's runner; one from an earlier step never is."""
-    import torch
-
-    monkeypatch.setattr(off_switch, "_FENCE", SimpleNamespace(read=True))
-    model = eagle3()
-    worker = draft_worker(model, pool_for(model), steps=0)
-    setattr(worker.draft_runner, name, None)
-    target = SimpleNamespace(decode_cuda_graph_runner=Graph(plain=True))
-    setattr(target, name, "an earlier step's event")
-    worker.target_worker = SimpleNamespace(model_runner=target)
-
-    def replayed(*a: Any, **kw: Any) -> Any:  # SGLang's prepare, then the DECODE graph's publish
-        out = sglang_prepare([])(*a, **kw)
-        setattr(target, name, "this step's event")
-        return out
-
-    batch, vi, _ = step(target.decode_cuda_graph_runner)
-    monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(lambda b, r, **kw: SimpleNamespace(mode=b.forward_mode, mark_forward_metadata_ready=lambda: None)))
-    off_switch.prepare_verify_hook(replayed, vi, None, batch, worker.target_worker)
-    relayed = off_switch.COUNTERS.relayed_fences
-    batch, result = decode_step()
-    with torch.inference_mode():
-        off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
-    assert getattr(worker.draft_runner, name) == "this step's event" and getattr(target, name) is None
-    assert off_switch.COUNTERS.relayed_fences == relayed + 1
-
-    # an eager step publishes nothing: the stale event is cleared at its prepare, none is handed on
-    setattr(target, name, "an earlier step's event")
-    setattr(worker.draft_runner, name, None)
-    batch, vi, _ = step(Graph(plain=True, fits=False))
-    target.decode_cuda_graph_runner = batch_graph = Graph(plain=True, fits=False)
-    off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, worker.target_worker)
-    assert batch_graph.loaded == [] and getattr(target, name) is None
-    batch, result = decode_step()
-    with torch.inference_mode():
-        off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
-    assert getattr(worker.draft_runner, name) is None  # the scheduler waits for the whole step
-
-    # "step": SGLang's fallback, nothing handed on
-    monkeypatch.setattr(off_switch, "_FENCE", SimpleNamespace(read=False))
-    setattr(target, name, "this step's event")
-    with torch.inference_mode():
-        off_switch.draft_extend_hook(SGLangExtend(), worker, batch, result)
-    assert getattr(worker.draft_runner, name) is None
-
-
-def test_the_fence_is_read_under_kv_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(off_switch, "_FENCE", SimpleNamespace(read=False))
-    monkeypatch.setattr(off_switch, "RESUME", WarmResume())
-    monkeypatch.setenv(off_switch.SGLANG_SKIP_ENV, "0")  # skip's install sets it: put back after
-    for draft, value, read in (("kv", "", True), ("kv", "step", False), ("kv", "read", True), ("keep", "", False), ("skip", "read", False)):
-        monkeypatch.setenv(off_switch.ENV_OFF_FENCE, value)
-        off_switch.install(lambda target, fn: None, off_switch.OffConfig(draft=draft))
-        assert off_switch._FENCE.read is read, (draft, value)

@@ -22,9 +22,6 @@ Servers (``--servers``):
   off-thread ``off`` with the client on a thread of its own (``--spec-client-thread on``), which
              looks at its queue every millisecond while records flow.
   off-tick0  ``off-thread`` woken per record instead (``SPECDEPTH_CLIENT_TICK_MS=0``).
-  off-untrimmed ``off`` with SGLang's one-node verify bookkeeping kept (``SPECDEPTH_OFF_TRIM=0``).
-  off-fence-step ``off`` with the scheduler's next writes waiting for the whole depth-0 step
-             (``SPECDEPTH_OFF_FENCE=step``), not only for its plain decode's read.
   off-cold   ``off`` with drafting resumed at once from the stub proposal
              (``SPECDEPTH_OFF_RESUME=cold``), not after one more depth-0 step.
   legacy     the same server with SGLang's own depth 0 (``--spec-off-path sglang``): a verify.
@@ -139,14 +136,6 @@ KINDS = {
     # default until call AI), and woken per record instead (``SPECDEPTH_CLIENT_TICK_MS=0``)
     "off-thread": Kind("static:0-thread", True, THREAD_FLAGS, env=(KV_CHECK,)),
     "off-tick0": Kind("static:0-tick0", True, THREAD_FLAGS, env=(KV_CHECK, ("SPECDEPTH_CLIENT_TICK_MS", "0"))),
-    # ``off`` with SGLang's own one-node verify bookkeeping around the plain decode (its verify
-    # forward batch built and thrown away, its tree sampling, bonus kernel and stub zeros each
-    # step): the default until 2026-12-07 (``SPECDEPTH_OFF_TRIM``, ``sglang_hook/off_switch.py``)
-    "off-untrimmed": Kind("static:0-untrimmed", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_TRIM", "0"))),
-    # ``off`` with the scheduler's next writes behind the whole depth-0 step, as SGLang fences
-    # them when no drafter extend publishes its read (``SPECDEPTH_OFF_FENCE=step``): the default
-    # until 2026-12-07
-    "off-fence-step": Kind("static:0-fence-step", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_FENCE", "step"))),
     "off-keep": Kind("static:0-keep", True, ("--spec-off-path", "plain", "--spec-off-draft", "keep")),
     "off-skip": Kind("static:0-skip", True, ("--spec-off-path", "plain", "--spec-off-draft", "skip")),
     "legacy": Kind("static:0-sglang", True, ("--spec-off-path", "sglang")),
