@@ -21,8 +21,9 @@ Rows (every number measured in this run; ratios side by side, interleaved in blo
    live controller answering. The hook's default (``--spec-client-thread auto``) is the
    ``ControllerClient`` called inline (``send_step`` + ``poll_decision``, i.e. ``poll(0)``);
    with ``--spec-client-thread on``, the client thread: ``ClientThread.submit`` + reading the
-   newest decision, timed with the thread woken per record and with it ticking every 1 ms. Between steps the caller holds the GIL for 200 µs (Python work) and
-   then releases it for 800 µs (a GPU wait), as a scheduler does.
+   newest decision, timed with the thread woken per record and with it ticking every 1 ms.
+   Between steps the caller holds the GIL for 200 µs (Python work) and then releases it for
+   800 µs (a GPU wait), as a scheduler does.
 
 Plus a breakdown of the in-controller path measured in-process on the server's CPU (decode,
 Featurizer, MLP, and the last two in the one compiled call serve makes), next to a fixed piece
