@@ -382,7 +382,7 @@ def timeline(events: list[dict[str, Any]], steps: int, python: dict[Any, list[tu
             )
             key += " <- " + " <- ".join(f for _, f in frames[:4] if "torch/" not in f)[:300]
         waited.setdefault(key, []).append(gap)
-    top_eager = sorted(eager.items(), key=lambda kv: -sum(kv[1]))[:15]
+    top_eager = sorted(eager.items(), key=lambda kv: -sum(kv[1]))[:30]
     return {
         "span_us_per_step": round(span / steps, 1),
         "busy_us_per_step": round(busy / steps, 1),
@@ -432,11 +432,14 @@ def summarize_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
             key = name[:30] + " <- " + " <- ".join(f for _, f in frames[:4] if "torch/" not in f)[:400]
             where.setdefault(key, []).append(float(ev["dur"]))
     total = sum(sum(v) for v in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
+    # Enough names that two servers' lists can be diffed kernel by kernel: a depth-0 step's
+    # extra work is many small kernels, each far below the top dozen.
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:60]
     return {
         "timeline": timeline(events, steps, python),
         "steps": steps,
         "gpu_us_per_step": round(total / steps, 1),
+        "gpu_ops_per_step": round(sum(len(v) for v in kernels.values()) / steps, 1),
         "kernels": [{"name": k, "us_per_step": round(sum(v) / steps, 1), "n": len(v)} for k, v in top],
         "runtime_per_step": {
             k: {"n": round(len(v) / steps, 1), "us": round(sum(v) / steps, 1)}
