@@ -256,6 +256,42 @@ def test_parse_starts_only_the_servers_the_stages_need() -> None:
     assert [realgpu.rotate(list(range(15)), rep)[0] for rep in (1, 2, 3)] == [0, 5, 10]
 
 
+def test_the_long_stage_runs_each_prompt_length_for_each_policy_and_sizes_the_context() -> None:
+    """``--long-input`` as a list: per repetition and policy (one controller start), each length
+    at each C, every point named by its length; the servers' context holds the longest prompt
+    plus the longest output a request may draw, and a context too short is refused."""
+    args = realgpu.parse(["--stages", "long", "--long-input", "4096,32768", "--long-conc", "1,4",
+                          "--long-policies", "static:0,static:3", "--reps", "2"])  # fmt: skip
+    assert args.long_input == [4096, 32768] and args.context == 32768 + 512
+    drawn = realgpu.parse(["--stages", "long", "--long-input", "4096,32768", "--output-sigma", "0.7"])
+    assert drawn.context == 32768 + realgpu.OUTPUT_BOUNDS[1]
+    assert realgpu.parse(["--stages", "long"]).context == 8192 + 512  # the single length, as before
+    with pytest.raises(SystemExit):
+        realgpu.parse(["--stages", "long", "--long-input", "32768", "--context", "32768"])
+
+    measured: list[tuple[int, str, str, int, int]] = []
+
+    class Bench:
+        def time_left(self, need_s: float) -> bool:
+            return True
+
+        def use(self, policy: str) -> str:
+            return "off"
+
+        def measure(self, server: str, policy: str, spec: realgpu.LoadSpec, rep: int, workload: str) -> None:
+            measured.append((rep, policy, workload, spec.input_tokens, spec.concurrency))
+
+    realgpu.stage_loop(Bench(), args, "long")  # type: ignore[arg-type]
+    out = "128"
+    assert measured == [
+        (rep, policy, f"long-mix-{n}-{out}", n, c)
+        for rep, order in ((1, ["static:0", "static:3"]), (2, ["static:3", "static:0"]))
+        for policy in order
+        for n in (4096, 32768)
+        for c in (1, 4)
+    ]
+
+
 def test_every_hook_server_command_is_one_the_launcher_accepts(tmp_path: Path) -> None:
     """``offswitch.Server.argv`` for each kind started through the hook's launcher parses with
     the launcher's own ``plan``; ``plain-rec`` is the plain server (no speculation) with a

@@ -27,8 +27,9 @@ Stages (``--stages``, in this order):
            output tokens, max(4, 2C) requests; per repetition every policy of ``--policies``
            in a rotating order, all C for one policy before the next (one controller start
            per policy and repetition).
-  long     the same with ``--long-input``-token prompts (8192) at ``--long-conc`` (16, 64),
-           C requests per point, ``--long-policies``. At C=64 the KV cap (``--max-total-
+  long     the same with ``--long-input``-token prompts (8192; a comma list runs each length
+           in turn, for each policy) at ``--long-conc`` (16, 64), C requests per point,
+           ``--long-policies``. At C=64 the KV cap (``--max-total-
            tokens`` per server, 4 servers on one GPU) holds about 16 such requests: the rest
            queue, as they would on a server of that size.
   open     the shifting open-loop trace (``openloop.py``: Poisson, trickle -> overload ->
@@ -74,7 +75,7 @@ import openloop  # noqa: E402
 import policyswap  # noqa: E402
 import run  # noqa: E402
 import testbed  # noqa: E402
-from loadgen import LoadSpec, run_load  # noqa: E402
+from loadgen import OUTPUT_BOUNDS, LoadSpec, run_load  # noqa: E402
 
 STAGES = ("accept", "closed", "long", "open", "resume")
 HOOK = "off"  # the hook server every controller policy runs on
@@ -211,7 +212,8 @@ def warm(bench: Bench, args: argparse.Namespace, stages: list[str]) -> None:
             for c in conc:
                 run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c, mix=args.mix))
         if "long" in stages:
-            run_load(server.url, LoadSpec(2, 2, args.long_input, 16, seed=8, mix=args.mix), timeout_s=300)
+            for n_in in args.long_input:
+                run_load(server.url, LoadSpec(2, 2, n_in, 16, seed=8, mix=args.mix), timeout_s=300)
     bench.book.res.event("warm")
 
 
@@ -247,11 +249,9 @@ def stage_loop(bench: Bench, args: argparse.Namespace, stage: str) -> None:
     """``closed`` or ``long``: per repetition, each policy in a rotating order, all its C."""
     out = f"{args.output_tokens}~{args.output_sigma:g}" if args.output_sigma > 0 else f"{args.output_tokens}"
     if stage == "closed":
-        policies, conc, n_in = args.policies, args.conc, args.input_tokens
-        workload = f"closed-mix-{args.input_tokens}-{out}"
+        policies, conc, inputs = args.policies, args.conc, [args.input_tokens]
     else:
-        policies, conc, n_in = args.long_policies, args.long_conc, args.long_input
-        workload = f"long-mix-{args.long_input}-{out}"
+        policies, conc, inputs = args.long_policies, args.long_conc, args.long_input
     need_s = 0.0 if stage == "closed" else 60.0  # a long point at C=64 lasts up to about a minute
     for rep in range(args.first_rep, args.first_rep + args.reps):
         for policy in rotate(list(policies), rep):
@@ -262,14 +262,16 @@ def stage_loop(bench: Bench, args: argparse.Namespace, stage: str) -> None:
             if server is None:
                 bench.book.res.event("not_run", stage=stage, policy=policy, rep=rep)
                 continue
-            for c in conc:
-                if not bench.time_left(need_s):
-                    bench.book.res.event("skipped", stage=stage, policy=policy, rep=rep, c=c)
-                    continue
-                n = max(4, args.requests_per_conc * c) if stage == "closed" else c
-                spec = LoadSpec(c, n, n_in, args.output_tokens, seed=point_seed(rep, c, stage), mix=args.mix,
-                                output_sigma=args.output_sigma)  # fmt: skip
-                bench.measure(server, policy, spec, rep, workload)
+            for n_in in inputs:
+                workload = f"{stage}-mix-{n_in}-{out}"
+                for c in conc:
+                    if not bench.time_left(need_s):
+                        bench.book.res.event("skipped", stage=stage, policy=policy, rep=rep, c=c, input=n_in)
+                        continue
+                    n = max(4, args.requests_per_conc * c) if stage == "closed" else c
+                    spec = LoadSpec(c, n, n_in, args.output_tokens, seed=point_seed(rep, c, stage), mix=args.mix,
+                                    output_sigma=args.output_sigma)  # fmt: skip
+                    bench.measure(server, policy, spec, rep, workload)
 
 
 def open_spec(args: argparse.Namespace, rep: int) -> openloop.OpenSpec:
@@ -396,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-sigma", type=float, default=0.0,
                         help="closed and long: > 0 draws each request's output length log-normally "
                         "(the workload name gets ~SIGMA); 0 fixes it, and requests finish in waves")  # fmt: skip
-    parser.add_argument("--long-input", type=int, default=8192, help="long stage: prompt tokens")
+    parser.add_argument("--long-input", type=_ints, default=[8192],
+                        help="long stage: prompt tokens (a comma list: each length in turn)")  # fmt: skip
     parser.add_argument("--long-conc", type=_ints, default=[16, 64])
     parser.add_argument(
         "--open-s", type=float, default=180.0, help="open stage: arrival window per policy (s)"
@@ -406,9 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mix", default="chat,code,docs", help="testbed families drawn per request")
     parser.add_argument("--prewarm", default="point", choices=("point", "none"),
                         help="send each point's prompts once before timing it (prefix cache)")  # fmt: skip
-    parser.add_argument(
-        "--context", type=int, default=8704, help="servers' --context-length (long prompt + output)"
-    )
+    parser.add_argument("--context", type=int, default=None,
+                        help="servers' --context-length (default: the longest --long-input plus the longest output)")  # fmt: skip
     parser.add_argument("--mem-fraction", type=float, default=0.8)
     parser.add_argument("--max-total-tokens", type=int, default=139264,
                         help="KV cap per server: 16 long requests (8192 + 128) fit; 4 servers fit an H200")  # fmt: skip
@@ -431,6 +433,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         parser.error(f"unknown stages {bad}; choose from {','.join(STAGES)}")
+    # A drawn output length can reach the bound's top, so the context must hold it after the prompt.
+    longest_out = OUTPUT_BOUNDS[1] if args.output_sigma > 0 else args.output_tokens
+    args.context = args.context or max(args.long_input) + max(512, longest_out)
+    if max(args.long_input) + longest_out > args.context:
+        parser.error(f"--context {args.context} is below the longest --long-input plus {longest_out} output tokens")
     args.policies = args.policies or default_policies("closed")
     args.long_policies = args.long_policies or default_policies("long")
     args.open_policies = args.open_policies or default_policies("open")
