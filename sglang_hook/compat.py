@@ -171,25 +171,6 @@ CONTRACT: tuple[Target, ...] = (
     ),
     Target("sglang.srt.speculative.spec_utils.resolve_num_tokens_per_req", why="called with phase= by keyword"),
     Target("sglang.srt.runtime_context.get_spec", (), why="the depth being captured"),
-    # The off switch's host lengths (sglang_hook.off_resolve): no wait before a step after depth 0.
-    Target(
-        "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation",
-        ("self", "batch"),
-        why="off switch: wrapped, what each step published is recorded on the host",
-    ),
-    Target(
-        "sglang.srt.managers.overlap_utils.FutureMap.publish",
-        ("self", "future_indices", "new_seq_lens"),
-        why="off switch: wrapped, a publish outside a forward clears the host lengths",
-    ),
-    Target(
-        "sglang.srt.managers.overlap_utils.FutureMap.resolve_seq_lens_cpu",
-        ("self", "batch"),
-        why="off switch: wrapped, answered from the host lengths where known",
-    ),
-    Target("sglang.srt.managers.overlap_utils._DEBUG_ASSERT", kind="attr", why="off switch: SGLang's resolve under it"),
-    Target("sglang.srt.managers.overlap_utils._is_hip", kind="attr", why="off switch: SGLang's resolve on AMD"),
-    Target("sglang.srt.managers.schedule_batch.ScheduleBatch.req_pool_indices_cpu", kind="field", why="off switch"),
     # The off switch's ``kv`` mode: the drafter's keys and values only at depth 0.
     Target(
         "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",

@@ -82,7 +82,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from controller.protocol import WarmResume
-from sglang_hook import off_resolve
 
 logger = logging.getLogger("sglang_hook")
 
@@ -351,7 +350,6 @@ def prepare_verify_hook(
         return verify_fb, False  # SGLang's verify batch, run eagerly: correct, slower
     COUNTERS.plain_steps += 1
     COUNTERS.graph_steps += can_graph
-    off_resolve.plain_step_ran()  # it publishes one more token per request
     if COUNTERS.plain_steps == 1:
         logger.info("spec controller: first depth-0 step ran as a plain decode (bs %d, CUDA graph %s)", len(batch.seq_lens), can_graph)
     return fb, can_graph
@@ -904,4 +902,3 @@ def install(register: Any, config: OffConfig) -> None:
         register(DRAFT_PREFILL, draft_prefill_hook)
     for target, fn in HOOKS:
         register(target, fn)
-    off_resolve.install(register)

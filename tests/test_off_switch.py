@@ -22,7 +22,7 @@ from sglang.srt.speculative import eagle_worker_v2  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 from controller.protocol import WarmResume  # noqa: E402
-from sglang_hook import actuator, off_resolve, off_switch  # noqa: E402
+from sglang_hook import actuator, off_switch  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -201,10 +201,7 @@ def test_depth_0_step_becomes_a_decode_batch(decode_init: list[dict[str, Any]]) 
     graph = Graph(plain=True)
     batch, vi, tw = step(graph)
     log: list[Any] = []
-    off_resolve.STATE.plain = False
     fb, can_graph = off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw)
-    assert off_resolve.STATE.plain  # the step publishes one more token a request (off_resolve)
-    off_resolve.STATE.plain = False
     assert log == [None]  # SGLang's prepare never loads its verify batch into the plain graph
     assert tw.model_runner.decode_cuda_graph_runner is graph
     assert can_graph and graph.loaded == [fb]
@@ -236,7 +233,6 @@ def test_depth_0_runs_eagerly_where_no_graph_fits(decode_init: list[dict[str, An
 
 def test_other_steps_and_verify_graphs_go_to_sglang(decode_init: list[dict[str, Any]]) -> None:
     log: list[Any] = []
-    off_resolve.STATE.plain = False
     batch, vi, tw = step(Graph(plain=True), draft_tokens=4)
     assert off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw) == ("verify-fb", True)
     fallbacks = off_switch.COUNTERS.verify_fallbacks
@@ -245,7 +241,6 @@ def test_other_steps_and_verify_graphs_go_to_sglang(decode_init: list[dict[str, 
     assert off_switch.prepare_verify_hook(sglang_prepare(log), vi, None, batch, tw) == ("verify-fb", True)
     assert off_switch.COUNTERS.verify_fallbacks == fallbacks + 1
     assert decode_init == []
-    assert not off_resolve.STATE.plain  # neither publishes a known length
 
 
 def test_a_failing_plain_step_verifies_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,9 +251,8 @@ def test_a_failing_plain_step_verifies_eagerly(monkeypatch: pytest.MonkeyPatch) 
     graph = Graph(plain=True)
     batch, vi, tw = step(graph)
     errors = off_switch.COUNTERS.errors
-    off_resolve.STATE.plain = False
     assert off_switch.prepare_verify_hook(sglang_prepare([]), vi, None, batch, tw) == ("verify-fb", False)
-    assert off_switch.COUNTERS.errors == errors + 1 and graph.loaded == [] and not off_resolve.STATE.plain
+    assert off_switch.COUNTERS.errors == errors + 1 and graph.loaded == []
     assert batch.seq_lens.tolist() == [5, 7, 9] and batch.spec_info == "draft-input"
 
 
@@ -275,7 +269,7 @@ def test_plugin_installs_the_off_switch_by_default(monkeypatch: pytest.MonkeyPat
             HookRegistry._hooks.clear()
             monkeypatch.setenv(off_switch.ENV_OFF_PATH, path)
             plugin.register()
-            for target, fn in off_switch.HOOKS + off_resolve.HOOKS:
+            for target, fn in off_switch.HOOKS:
                 assert any(h is fn for _, h, _ in HookRegistry._hooks.get(target, [])) is expect
             width = HookRegistry._hooks.get(off_switch.DRAFT_EXTEND_WIDTH, [])
             assert any(h is off_switch.draft_extend_width_hook for _, h, _ in width)  # either way

@@ -110,9 +110,6 @@ class Kind:
 # whole extend and log how far the two writes are apart.
 KV_FLAGS = ("--spec-off-path", "plain", "--spec-off-draft", "kv")
 KV_CHECK = ("SPECDEPTH_OFF_DRAFT_CHECK", "60")
-# ... and its first 200 host-known lengths after a depth-0 step are compared with SGLang's
-# resolve (logged; any difference turns the host lengths off, see sglang_hook/off_resolve.py)
-RESOLVE_CHECK = ("SPECDEPTH_OFF_RESOLVE_CHECK", "200")
 THREAD_FLAGS = (*KV_FLAGS, "--spec-client-thread", "on")  # the off switch, its client on a thread
 KINDS = {
     "plain": Kind("plain", False),
@@ -120,10 +117,7 @@ KINDS = {
     # plain SGLang through the hook's launcher: with --record, its decode steps (and the steps
     # that admitted requests) are in a trace like the speculative servers', for trace_points.py
     "plain-rec": Kind("plain-rec", False, recorded=True),
-    "off": Kind("static:0", True, KV_FLAGS, env=(KV_CHECK, RESOLVE_CHECK)),
-    # ``off`` with SGLang's resolve before each step: the host waits for the last step's
-    # lengths from the GPU (the default until 2026-12-07, call AN)
-    "off-waits": Kind("static:0-waits", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_RESOLVE", "sglang"))),
+    "off": Kind("static:0", True, KV_FLAGS, env=(KV_CHECK,)),
     # kv with each depth-0 step's drafter update stored at once (the default owes up to 16)
     "off-lean": Kind("static:0-lean", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_DRAFT_DEFER", "1"))),
     # kv with SGLang's whole drafter extend for a depth-0 prefill: the default until call I
