@@ -728,6 +728,11 @@ def main() -> int:
         help="a recording controller (static:0) on each hook server and plain-rec; traces in traces.tar",
     )  # fmt: skip
     parser.add_argument(
+        "--warm-drawn", action="store_true",
+        help="also warm each server with an untimed point of drawn lengths at each C (2C requests): in most "
+        "calls the first hook server's first timed repetition at 64 requests ran lowest",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-prefill-graph",
         action="store_true",
         help="--disable-prefill-cuda-graph on every server (saves ~100 s of start-up; decode unchanged)",
@@ -783,6 +788,9 @@ def main() -> int:
         for server in live:  # warm every batch shape once, outside the timed points
             for c in args.conc:
                 run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c))
+                if args.warm_drawn:  # ... and a point like the timed ones: every batch size, admissions
+                    run_load(server.url, LoadSpec(c, max(6, 2 * c), args.input_tokens, args.output_tokens,
+                                                  seed=500 + c, output_sigma=args.output_sigma or 0.7))  # fmt: skip
         res.event("warm")
         sample_stacks(live, args, res, book, deadline)  # short (about 20 s a server): before the points
         if args.profile_first:  # a call cut short keeps its profiles rather than its last points
