@@ -842,6 +842,31 @@ def test_the_profile_timeline_splits_a_step_into_graph_eager_and_idle() -> None:
     assert "eagle_utils" in [w["launch"] for w in out["waited_for"] if w["launch"].startswith("cudaLaunchKernel")][0]
 
 
+def test_two_servers_profiles_are_diffed_kernel_by_kernel() -> None:
+    """The same profile summary for a plain step and a depth-0 step with two extra small kernels:
+    the diff lists the step's totals and first the kernels whose time differs most, per step;
+    a profile with Python stacks, or a C without the base server, is not diffed."""
+    import offswitch
+
+    def events(extra: int) -> list[dict]:
+        out = []
+        for step in range(3):
+            t = 1000.0 * step
+            out.append({"cat": "kernel", "name": "gemm", "ts": t, "dur": 500.0})
+            out += [{"cat": "kernel", "name": "fill", "ts": t + 600 + 10 * i, "dur": 2.0} for i in range(extra)]
+        return out
+
+    plain = offswitch.summarize_trace({"traceEvents": events(0)}, steps=3)
+    off = offswitch.summarize_trace({"traceEvents": events(2)}, steps=3)
+    assert off["gpu_ops_per_step"] == 3.0 and plain["gpu_ops_per_step"] == 1.0
+    diffs = offswitch.kernel_diff({"plain@c1": plain, "off@c1": off, "off@c1+stack": off, "off@c64": off})
+    assert len(diffs) == 1
+    d = diffs[0]
+    assert (d["server"], d["c"], d["gpu_us"], d["base_gpu_us"], d["ops"], d["base_ops"]) == ("off", "c1", 504.0, 500.0, 3.0, 1.0)
+    assert d["kernels"][0] == {"name": "fill", "us": 4.0, "base_us": 0.0, "n": 2.0, "base_n": 0.0}
+    assert d["kernels"][1]["name"] == "gemm" and d["kernels"][1]["us"] == d["kernels"][1]["base_us"] == 500.0
+
+
 def test_steady_throughput_counts_only_while_every_client_is_busy() -> None:
     """Two clients, four requests: the window opens when both first requests have their first
     token (t = 1) and closes when the last request is sent (t = 5); the drain after it, however

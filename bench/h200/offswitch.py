@@ -620,6 +620,36 @@ def sample_stacks(
             book.flush()
 
 
+def kernel_diff(profiles: dict[str, Any], base: str = "plain", top: int = 12) -> list[dict[str, Any]]:
+    """Each profiled server against ``base`` at the same C, kernel by kernel: GPU µs and launches
+    per step, and the kernels whose time differs most (a depth-0 step's extra work is many small
+    kernels, none of them in the top dozen by time)."""
+    out = []
+    for key, got in sorted(profiles.items()):
+        label, _, c = key.partition("@")
+        ref = profiles.get(f"{base}@{c}")
+        if label == base or "+stack" in c or not ref or "kernels" not in got or "kernels" not in ref:
+            continue
+        mine = {k["name"]: k for k in got["kernels"]}
+        theirs = {k["name"]: k for k in ref["kernels"]}
+        steps, base_steps = got.get("steps") or 1, ref.get("steps") or 1
+        rows = [
+            {"name": name,
+             "us": mine.get(name, {}).get("us_per_step", 0.0), "base_us": theirs.get(name, {}).get("us_per_step", 0.0),
+             "n": round(mine.get(name, {}).get("n", 0) / steps, 1),
+             "base_n": round(theirs.get(name, {}).get("n", 0) / base_steps, 1)}
+            for name in set(mine) | set(theirs)
+        ]  # fmt: skip
+        rows.sort(key=lambda r: -abs(r["us"] - r["base_us"]))
+        out.append({
+            "server": label, "base": base, "c": c,
+            "gpu_us": got.get("gpu_us_per_step"), "base_gpu_us": ref.get("gpu_us_per_step"),
+            "ops": got.get("gpu_ops_per_step"), "base_ops": ref.get("gpu_ops_per_step"),
+            "kernels": rows[:top],
+        })  # fmt: skip
+    return out
+
+
 def print_stacks(stacks: dict[str, Any]) -> None:
     """Each sampled server's heaviest functions, in µs per output token, beside the plain
     server's at the same C (the difference is what the server spends that plain does not)."""
@@ -839,6 +869,11 @@ def main() -> int:
                 print(f"   eager {e['n']:5.1f}/step {e['us']:7.1f} us  {e['name']}")
             for w in t.get("waited_for", [])[:6]:
                 print(f"   waited {w['us_per_step']:7.1f} us/step (n={w['n']}) for {w['launch'][:240]}")
+        for d in kernel_diff(res.data.get("profile", {})):
+            print(f"\n== kernels {d['server']} against {d['base']} at {d['c']}: gpu {d['gpu_us']} / {d['base_gpu_us']} "
+                  f"us a step, {d['ops']} / {d['base_ops']} kernels and copies a step")  # fmt: skip
+            for k in d["kernels"]:
+                print(f"   {k['us']:8.1f} / {k['base_us']:8.1f} us  n {k['n']:5.1f} / {k['base_n']:5.1f}  {k['name'][:80]}")
         print_stacks(res.data.get("stacks", {}))
         closed = [r for r in book.rows if r["workload"].startswith("closed")]
         print("\n== throughput (tok/s), ratios to plain per repetition\n" + table(closed))
