@@ -126,6 +126,9 @@ KINDS = {
     # the KV-only prefill extend asked for by name: the same server as `off` since call I, kept
     # so that the commands of calls F, H and I still run
     "off-pkv": Kind("static:0-pkv", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "kv"))),
+    # kv with each depth-0 prefill's keys and values owed with the steps' (one pass for both),
+    # not stored at once before and after what the steps owe (2026-12-07, not yet run)
+    "off-powed": Kind("static:0-powed", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "owed"))),
     # kv with drafting resumed at once from the zeroed proposal (the default until 2026-12-06):
     # its first drafted step after depth 0 accepts nothing
     "off-cold": Kind("static:0-cold", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_RESUME", "cold"))),
