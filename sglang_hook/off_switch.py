@@ -50,7 +50,8 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   step at once ran 2-4% slower side by side; keep 0.87-0.94x.
   A depth-0 prefill's drafter extend also stores keys and values only
   (:func:`draft_prefill_hook`; ``SPECDEPTH_OFF_PREFILL=sglang`` keeps SGLang's whole extend
-  there; ``owed`` owes them with the steps', so an admission no longer forces a pass). Its lengths reach the GPU without a wait (:func:`to_device_async`). Measured on an
+  there; ``owed`` owes them with the steps', so an admission no longer forces a pass). Its
+  lengths reach the GPU without a wait (:func:`to_device_async`). Measured on an
   H100 (prefill graphs on, drawn output lengths, 3 interleaved repetitions, SGLang's prefill
   extend beside it): 0.977 / 0.979 / 0.978 / 0.964 / 0.973x a plain server at 1 / 4 / 16 / 64 /
   128 requests against 0.977 / 0.973 / 0.966 / 0.950 / 0.967x, per repetition 0.990-1.039x
