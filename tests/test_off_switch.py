@@ -1044,6 +1044,49 @@ def test_an_owed_prefill_is_stored_with_the_steps_in_order(eagle3: Any, defer: A
     assert ref.get_kv_buffer(layer_id)[0][42].any() and c.kv_flushes == 1 and pending.used == 0
 
 
+def test_an_owed_prefill_is_stored_before_anything_touches_the_drafter_cache(
+    eagle3: Any, defer: Any, kv_prefill: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owed prompt's keys and values are in the cache before each later use of it: a draft,
+    SGLang's extend of a prefill (as after a warm resume's inserted step) and SGLang's extend
+    of a drafted step. A drafter left stale there is the failure the issue names."""
+    import torch
+
+    kv_prefill.owed = True
+    model = eagle3()
+    pool = pool_for(model)
+    worker = draft_worker(model, pool, steps=0)
+    layer_id = model.model.layers[0].self_attn.attn.layer_id
+    prompt = torch.arange(8) + 40  # prefill_batch()'s slots
+    resume = WarmResume(enabled=True)
+    monkeypatch.setattr(off_switch, "RESUME", resume)
+    for use in ("draft", "sglang-prefill", "drafted-extend"):
+        with torch.inference_mode():
+            off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch(), None)
+        assert not pool.get_kv_buffer(layer_id)[0][prompt].any(), use  # owed
+        seen: list[bool] = []
+
+        def sglang(*a: Any, seen: list[bool] = seen, use: str = use, **kw: Any) -> str:
+            seen.append(bool(pool.get_kv_buffer(layer_id)[0][prompt].all()))
+            return use
+
+        with torch.inference_mode():
+            if use == "draft":
+                assert off_switch.flush_first_hook(sglang, worker) == use
+            elif use == "sglang-prefill":
+                assert resume.depth(2) == 0  # the inserted depth-0 launch: the next prefill is SGLang's
+                assert off_switch.draft_prefill_hook(sglang, worker, *prefill_batch(), None) == use
+                resume.depth(2)
+            else:
+                worker.speculative_num_steps = 3
+                assert off_switch.draft_extend_hook(sglang, worker, *steps_of(1)[0]) == use
+                worker.speculative_num_steps = 0
+        assert seen == [True], use
+        assert getattr(worker, off_switch.PENDING_MARK).used == 0
+        pool.get_kv_buffer(layer_id)[0].zero_()
+    assert off_switch.COUNTERS.kv_owed_prefills == 3
+
+
 def test_a_prefill_too_long_to_owe_or_checked_is_stored_at_once(
     eagle3: Any, defer: Any, kv_prefill: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
