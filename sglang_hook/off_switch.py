@@ -809,7 +809,8 @@ def draft_prefill_hook(
     (:func:`_owe`), in order after what earlier steps owe, and stored with the next pass, so
     admissions no longer force a pass each; a prefill of more rows than a pass holds, and the
     checked ones, are stored at once."""
-    owe = _PREFILL.owed and _DEFER.steps > 1 and COUNTERS.kv_prefill_checked >= _CHECK.prefills
+    checking = COUNTERS.kv_prefill_checked < _CHECK.prefills
+    owe = _PREFILL.owed and _DEFER.steps > 1 and not checking
     if not owe:
         _flush_or_drop(worker)
 
@@ -828,17 +829,15 @@ def draft_prefill_hook(
         or kv_verdict(worker)
     ):
         return sglangs()
-    checking = COUNTERS.kv_prefill_checked < _CHECK.prefills
     try:
         ids, positions, hidden_in, loc = prefill_inputs(batch, hidden, next_token_ids)
         if owe and int(ids.shape[0]) <= _DEFER.rows:
             _owe(worker, ids, positions, hidden_in, loc)
             COUNTERS.kv_owed_prefills += 1
         else:
-            flush_kv(worker)
+            flush_kv(worker)  # what is owed goes first (already stored unless too long to owe)
             runner = worker.draft_runner
-            radix, k, v = draft_kv(runner.model, ids.long(), positions, hidden_in)
-            store_kv(runner.token_to_kv_pool, radix, loc, k, v)
+            draft_kv_only(runner.model, runner.token_to_kv_pool, ids.long(), positions, hidden_in, loc)
         out = prefill_stub(worker, batch, next_token_ids)
     except Exception:
         COUNTERS.errors += 1
