@@ -86,8 +86,9 @@ def _llama_config(shape: Shape, layers: int, **extra: object) -> dict[str, objec
         "num_key_value_heads": shape.kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        # 16k: the long-prompt workload (realgpu.py) sends 8192-token prompts plus their outputs.
-        "max_position_embeddings": 16384,
+        # Llama-3.1-8B's 128k: the long stages (realgpu.py --long-input) send prompts up to 32k,
+        # and SGLang refuses a --context-length above this.
+        "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "vocab_size": VOCAB,
