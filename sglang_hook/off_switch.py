@@ -50,8 +50,7 @@ What runs after the target forward at depth 0 is chosen by ``SPECDEPTH_OFF_DRAFT
   step at once ran 2-4% slower side by side; keep 0.87-0.94x.
   A depth-0 prefill's drafter extend also stores keys and values only
   (:func:`draft_prefill_hook`; ``SPECDEPTH_OFF_PREFILL=sglang`` keeps SGLang's whole extend
-  there; ``owed`` owes them with the steps', so an admission no longer forces a pass). Its
-  lengths reach the GPU without a wait (:func:`to_device_async`). Measured on an
+  there). Its lengths reach the GPU without a wait (:func:`to_device_async`). Measured on an
   H100 (prefill graphs on, drawn output lengths, 3 interleaved repetitions, SGLang's prefill
   extend beside it): 0.977 / 0.979 / 0.978 / 0.964 / 0.973x a plain server at 1 / 4 / 16 / 64 /
   128 requests against 0.977 / 0.973 / 0.966 / 0.950 / 0.967x, per repetition 0.990-1.039x
@@ -99,8 +98,7 @@ ENV_OFF_DRAFT_DEFER = "SPECDEPTH_OFF_DRAFT_DEFER"
 DEFER_STEPS = 16
 DEFER_ROWS = 1024
 # Under ``kv``, a depth-0 prefill's drafter extend stores keys and values only too unless this
-# is "sglang" (SGLang's whole extend, for comparison); "kv" is the default; "owed" owes them
-# with the depth-0 steps' updates (one pass for both; not yet measured on a GPU).
+# is "sglang" (SGLang's whole extend, for comparison); "kv" is the default.
 ENV_OFF_PREFILL = "SPECDEPTH_OFF_PREFILL"
 # Under ``kv``, "warm" (default): drafting resumes after one more depth-0 step that runs
 # SGLang's whole extend (:class:`WarmResume`); "cold": it drafts at once from the zeroed stub.
@@ -146,7 +144,6 @@ class OffCounters:
     kv_batch_identical: int = 0
     kv_batch_max_d: float = 0.0
     kv_prefills: int = 0  # ENV_OFF_PREFILL: depth-0 prefills whose drafter extend stored keys and values only
-    kv_owed_prefills: int = 0  # ... of which were owed with the steps' updates (ENV_OFF_PREFILL=owed)
     kv_prefill_checked: int = 0  # ... compared with SGLang's extend of the same prefill
     kv_prefill_identical: int = 0
     kv_prefill_max_d: float = 0.0
@@ -506,20 +503,6 @@ class PendingKV:
 PENDING_MARK = "specdepth_pending_kv"  # a draft worker's PendingKV
 
 
-def _owe(worker: Any, ids: Any, positions: Any, hidden: Any, loc: Any) -> None:
-    """Add one step's (or prefill's) update to what ``worker`` owes: what is owed is stored first
-    if the rows would not fit, and everything once ``max_steps`` are owed."""
-    pending: PendingKV | None = getattr(worker, PENDING_MARK, None)
-    if pending is None:
-        pending = PendingKV(_DEFER.steps, _DEFER.rows)
-        setattr(worker, PENDING_MARK, pending)
-    if not pending.fits(int(ids.shape[0])):
-        flush_kv(worker)
-    pending.add(ids, positions, hidden, loc)
-    if pending.full():
-        flush_kv(worker)
-
-
 def flush_kv(worker: Any) -> None:
     """Store every depth-0 update ``worker`` owes (nothing when none is owed)."""
     pending: PendingKV | None = getattr(worker, PENDING_MARK, None)
@@ -717,8 +700,7 @@ PREFILL_OFF_MARK = "specdepth_kv_prefill_failed"  # set on a draft worker whose 
 # extend (each stored at once), then passes of owed steps compared with one step at a time.
 _CHECK = SimpleNamespace(steps=0, batches=0, prefills=0)
 _DEFER = SimpleNamespace(steps=DEFER_STEPS, rows=DEFER_ROWS)
-# ENV_OFF_PREFILL, read at install: kv = not "sglang"; owed = "owed" (stored with the steps' updates)
-_PREFILL = SimpleNamespace(kv=True, owed=False)
+_PREFILL = SimpleNamespace(kv=True)  # ENV_OFF_PREFILL != "sglang", read at install
 
 
 def _flush_or_drop(worker: Any) -> None:
@@ -761,12 +743,21 @@ def draft_extend_hook(original: Any, worker: Any, batch: Any, batch_result: Any,
     checking = COUNTERS.kv_checked < _CHECK.steps
     try:
         ids, positions, hidden, loc = kv_step_inputs(batch, batch_result)
-        if checking or _DEFER.steps <= 1 or int(ids.shape[0]) > _DEFER.rows:
+        pending: PendingKV | None = getattr(worker, PENDING_MARK, None)
+        n = int(ids.shape[0])
+        if checking or _DEFER.steps <= 1 or n > _DEFER.rows:
             flush_kv(worker)
             runner = worker.draft_runner
             draft_kv_only(runner.model, runner.token_to_kv_pool, ids.long(), positions.long(), hidden, loc)
         else:
-            _owe(worker, ids, positions, hidden, loc)
+            if pending is None:
+                pending = PendingKV(_DEFER.steps, _DEFER.rows)
+                setattr(worker, PENDING_MARK, pending)
+            if not pending.fits(n):
+                flush_kv(worker)
+            pending.add(ids, positions, hidden, loc)
+            if pending.full():
+                flush_kv(worker)
         stub_proposal(worker, batch, batch_result)
     except Exception:
         COUNTERS.errors += 1
@@ -803,19 +794,10 @@ def draft_prefill_hook(
     prefill's drafter extend stores keys and values only (:func:`prefill_inputs`,
     :func:`draft_kv`) and returns SGLang's zeroed proposal (:func:`prefill_stub`), leaving the
     batch as SGLang's extend leaves it. Anything else, and any failure, runs SGLang's extend, as
-    does a prefill between a step :class:`WarmResume` inserted and the drafted step after it.
-
-    With ``ENV_OFF_PREFILL=owed`` the prefill's keys and values are owed like a depth-0 step's
-    (:func:`_owe`), in order after what earlier steps owe, and stored with the next pass, so
-    admissions no longer force a pass each; a prefill of more rows than a pass holds, and the
-    checked ones, are stored at once."""
-    checking = COUNTERS.kv_prefill_checked < _CHECK.prefills
-    owe = _PREFILL.owed and _DEFER.steps > 1 and not checking
-    if not owe:
-        _flush_or_drop(worker)
+    does a prefill between a step :class:`WarmResume` inserted and the drafted step after it."""
+    _flush_or_drop(worker)
 
     def sglangs() -> Any:  # SGLang's extend of this prefill, called as SGLang called it
-        _flush_or_drop(worker)  # it writes the drafter's cache: what is owed goes first
         return original(worker, batch, hidden, next_token_ids, *args, **kwargs)
 
     if (
@@ -829,15 +811,12 @@ def draft_prefill_hook(
         or kv_verdict(worker)
     ):
         return sglangs()
+    checking = COUNTERS.kv_prefill_checked < _CHECK.prefills
     try:
         ids, positions, hidden_in, loc = prefill_inputs(batch, hidden, next_token_ids)
-        if owe and int(ids.shape[0]) <= _DEFER.rows:
-            _owe(worker, ids, positions, hidden_in, loc)
-            COUNTERS.kv_owed_prefills += 1
-        else:
-            flush_kv(worker)  # what is owed goes first (already stored unless too long to owe)
-            runner = worker.draft_runner
-            draft_kv_only(runner.model, runner.token_to_kv_pool, ids.long(), positions, hidden_in, loc)
+        runner = worker.draft_runner
+        radix, k, v = draft_kv(runner.model, ids.long(), positions, hidden_in)
+        store_kv(runner.token_to_kv_pool, radix, loc, k, v)
         out = prefill_stub(worker, batch, next_token_ids)
     except Exception:
         COUNTERS.errors += 1
@@ -916,8 +895,7 @@ def install(register: Any, config: OffConfig) -> None:
         _CHECK.steps = _env_int(ENV_OFF_DRAFT_CHECK, 0)
         _CHECK.batches = _CHECK.prefills = _CHECK.steps // 6
         _DEFER.steps = max(1, _env_int(ENV_OFF_DRAFT_DEFER, DEFER_STEPS))
-        prefill = _env_choice(ENV_OFF_PREFILL, ("kv", "owed", "sglang"))
-        _PREFILL.kv, _PREFILL.owed = prefill != "sglang", prefill == "owed"
+        _PREFILL.kv = _env_choice(ENV_OFF_PREFILL, ("kv", "sglang")) == "kv"
         RESUME.enabled = _env_choice(ENV_OFF_RESUME, ("warm", "cold")) == "warm"
         register(DRAFT_EXTEND, draft_extend_hook)
         register(DRAFT, flush_first_hook)

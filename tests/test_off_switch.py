@@ -836,7 +836,7 @@ def test_the_batch_check_compares_one_pass_with_one_step_at_a_time(eagle3: Any, 
 def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0, prefills=0))
     monkeypatch.setattr(off_switch, "_DEFER", SimpleNamespace(steps=off_switch.DEFER_STEPS, rows=off_switch.DEFER_ROWS))
-    monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True, owed=False))
+    monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
     monkeypatch.setattr(off_switch, "RESUME", WarmResume())
     registered: list[str] = []
     monkeypatch.setenv(off_switch.ENV_OFF_DRAFT_CHECK, "60")
@@ -853,14 +853,10 @@ def test_install_reads_the_kv_knobs_and_survives_bad_values(monkeypatch: pytest.
         off_switch.install(lambda target, fn: None, off_switch.OffConfig())
     assert off_switch._CHECK.steps == 0 and off_switch._DEFER.steps == off_switch.DEFER_STEPS
     assert off_switch._PREFILL.kv  # a misspelt value: the default, KV only, and a warning
-    assert "is not a whole number" in caplog.text and "'kvv' is not one of kv, owed, sglang" in caplog.text
-    assert not off_switch._PREFILL.owed
-    monkeypatch.setenv(off_switch.ENV_OFF_PREFILL, "owed")
-    off_switch.install(lambda target, fn: None, off_switch.OffConfig())
-    assert off_switch._PREFILL.kv and off_switch._PREFILL.owed  # KV only, owed with the steps'
+    assert "is not a whole number" in caplog.text and "'kvv' is not one of kv, sglang" in caplog.text
     monkeypatch.delenv(off_switch.ENV_OFF_PREFILL)
     off_switch.install(lambda target, fn: None, off_switch.OffConfig())
-    assert off_switch._PREFILL.kv and not off_switch._PREFILL.owed  # unset: KV only, stored at once
+    assert off_switch._PREFILL.kv  # unset: KV only
     assert off_switch.RESUME.enabled  # kv: drafting resumes warm unless asked otherwise
     monkeypatch.setenv(off_switch.ENV_OFF_RESUME, "cold")
     off_switch.install(lambda target, fn: None, off_switch.OffConfig())
@@ -930,7 +926,7 @@ def test_host_lengths_reach_the_batch_device_in_its_dtype() -> None:
 
 @pytest.fixture
 def kv_prefill(spec: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True, owed=False))
+    monkeypatch.setattr(off_switch, "_PREFILL", SimpleNamespace(kv=True))
     monkeypatch.setattr(off_switch, "COUNTERS", off_switch.OffCounters())
     return off_switch._PREFILL
 
@@ -1007,113 +1003,6 @@ def test_the_kv_prefill_check_compares_with_sglangs_extend(eagle3: Any, kv_prefi
     c = off_switch.COUNTERS
     assert (c.kv_prefills, c.kv_prefill_checked, c.kv_prefill_identical) == (2, 1, identical)
     assert c.kv_prefill_max_d == pytest.approx(shift)
-
-
-def test_an_owed_prefill_is_stored_with_the_steps_in_order(eagle3: Any, defer: Any, kv_prefill: Any) -> None:
-    """``SPECDEPTH_OFF_PREFILL=owed``: a depth-0 prefill's keys and values join what the steps
-    owe, nothing is stored until a pass, and the pass stores what storing each at once, in order,
-    would: a slot freed by a finished request and handed to the new prompt ends with the prompt's."""
-    import torch
-
-    kv_prefill.owed = True
-    model = eagle3()
-    pool = pool_for(model)
-    worker = draft_worker(model, pool, steps=0)
-    layer_id = model.model.layers[0].self_attn.attn.layer_id
-    step = steps_of(1, seed=7)[0]
-    step[0].out_cache_loc = torch.tensor([10, 42, 50])  # 42 is freed, then the prompt's
-    batch, hidden, sampled = prefill_batch()
-    want_ids, want_positions = sglang_prefill_inputs(batch, sampled)
-    with torch.inference_mode():
-        off_switch.draft_extend_hook(SGLangExtend(), worker, *step)
-        out = off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, batch, hidden, sampled, None)
-    assert out != "sglang" and not out.topk_p.any()  # SGLang's zeroed proposal, as when stored at once
-    assert batch.input_ids.tolist() == want_ids.tolist()  # the batch as SGLang's extend leaves it
-    assert not pool.get_kv_buffer(layer_id)[0].any()  # owed, nothing stored yet
-    pending = getattr(worker, off_switch.PENDING_MARK)
-    assert pending.used == 3 + 8 and len(pending.spans) == 2
-    c = off_switch.COUNTERS
-    assert (c.kv_prefills, c.kv_owed_prefills, c.kv_flushes) == (1, 1, 0)
-    with torch.inference_mode():
-        assert off_switch.flush_first_hook(lambda *a, **k: "drafted", worker) == "drafted"  # a draft reads the cache
-    ref = stored_at_once(model, [step])
-    with torch.inference_mode():
-        off_switch.draft_kv_only(model, ref, want_ids, want_positions, hidden, torch.arange(8) + 40)
-    for got, want in zip(pool.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # GEMMs of other shapes may round apart
-    assert ref.get_kv_buffer(layer_id)[0][42].any() and c.kv_flushes == 1 and pending.used == 0
-
-
-def test_an_owed_prefill_is_stored_before_anything_touches_the_drafter_cache(
-    eagle3: Any, defer: Any, kv_prefill: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The owed prompt's keys and values are in the cache before each later use of it: a draft,
-    SGLang's extend of a prefill (as after a warm resume's inserted step) and SGLang's extend
-    of a drafted step. A drafter left stale there is the failure the issue names."""
-    import torch
-
-    kv_prefill.owed = True
-    model = eagle3()
-    pool = pool_for(model)
-    worker = draft_worker(model, pool, steps=0)
-    layer_id = model.model.layers[0].self_attn.attn.layer_id
-    prompt = torch.arange(8) + 40  # prefill_batch()'s slots
-    resume = WarmResume(enabled=True)
-    monkeypatch.setattr(off_switch, "RESUME", resume)
-    for use in ("draft", "sglang-prefill", "drafted-extend"):
-        with torch.inference_mode():
-            off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch(), None)
-        assert not pool.get_kv_buffer(layer_id)[0][prompt].any(), use  # owed
-        seen: list[bool] = []
-
-        def sglang(*a: Any, seen: list[bool] = seen, use: str = use, **kw: Any) -> str:
-            seen.append(bool(pool.get_kv_buffer(layer_id)[0][prompt].all()))
-            return use
-
-        with torch.inference_mode():
-            if use == "draft":
-                assert off_switch.flush_first_hook(sglang, worker) == use
-            elif use == "sglang-prefill":
-                assert resume.depth(2) == 0  # the inserted depth-0 launch: the next prefill is SGLang's
-                assert off_switch.draft_prefill_hook(sglang, worker, *prefill_batch(), None) == use
-                resume.depth(2)
-            else:
-                worker.speculative_num_steps = 3
-                assert off_switch.draft_extend_hook(sglang, worker, *steps_of(1)[0]) == use
-                worker.speculative_num_steps = 0
-        assert seen == [True], use
-        assert getattr(worker, off_switch.PENDING_MARK).used == 0
-        pool.get_kv_buffer(layer_id)[0].zero_()
-    assert off_switch.COUNTERS.kv_owed_prefills == 3
-
-
-def test_a_prefill_too_long_to_owe_or_checked_is_stored_at_once(
-    eagle3: Any, defer: Any, kv_prefill: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """More rows than a pass holds, or a prefill the kv check compares with SGLang's extend: what
-    is owed is stored first, then the prefill, at once."""
-    import torch
-
-    kv_prefill.owed = True
-    model = eagle3()
-    pool = pool_for(model)
-    worker = draft_worker(model, pool, steps=0)
-    layer_id = model.model.layers[0].self_attn.attn.layer_id
-    defer.rows = 6  # the prompt's 8 rows do not fit a pass
-    with torch.inference_mode():
-        off_switch.draft_extend_hook(SGLangExtend(), worker, *steps_of(1, seed=2)[0])
-        off_switch.draft_prefill_hook(lambda *a, **k: "sglang", worker, *prefill_batch(), None)
-    c = off_switch.COUNTERS
-    assert (c.kv_prefills, c.kv_owed_prefills, c.kv_flushes) == (1, 0, 1)
-    assert pool.get_kv_buffer(layer_id)[0][torch.arange(8) + 40].any() and pool.get_kv_buffer(layer_id)[0][10].any()
-    defer.rows = 12
-    monkeypatch.setattr(off_switch, "_CHECK", SimpleNamespace(steps=0, batches=0, prefills=1))
-    seen: list[bool] = []
-    with torch.inference_mode():
-        off_switch.draft_extend_hook(SGLangExtend(), worker, *steps_of(1, seed=3)[0])
-        off_switch.draft_prefill_hook(lambda *a, **k: seen.append(True) or "sglang", worker, *prefill_batch(), None)
-    assert seen == [True] and c.kv_prefill_checked == 1 and c.kv_owed_prefills == 0  # checked: at once
-    assert getattr(worker, off_switch.PENDING_MARK).used == 0
 
 
 def test_a_failing_step_still_stores_what_earlier_steps_owe(eagle3: Any, defer: Any) -> None:
