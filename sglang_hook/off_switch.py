@@ -815,8 +815,7 @@ def draft_prefill_hook(
     try:
         ids, positions, hidden_in, loc = prefill_inputs(batch, hidden, next_token_ids)
         runner = worker.draft_runner
-        radix, k, v = draft_kv(runner.model, ids.long(), positions, hidden_in)
-        store_kv(runner.token_to_kv_pool, radix, loc, k, v)
+        draft_kv_only(runner.model, runner.token_to_kv_pool, ids.long(), positions, hidden_in, loc)
         out = prefill_stub(worker, batch, next_token_ids)
     except Exception:
         COUNTERS.errors += 1
