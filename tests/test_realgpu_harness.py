@@ -1089,3 +1089,45 @@ def test_keep_call_writes_the_summary_the_points_without_hashes_and_the_trace_ta
     with pytest.raises(SystemExit) as wrong:
         keep_call.main([str(tmp_path / "records"), "--into", str(into), "--name", "y"])
     assert wrong.value.code == 2 and "summary.csv not found" in capsys.readouterr().err
+
+
+def test_the_warm_up_runs_a_drawn_point_at_each_c_once_per_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--warm-drawn`` (the default): besides C requests of 16 tokens at every depth, one point of
+    drawn lengths at each C (2C requests, a drain through every batch size) on each server, at
+    the hook server's first depth only; ``--no-warm-drawn`` leaves it out."""
+    sent: list[tuple[str, int, int, float]] = []
+    monkeypatch.setattr(realgpu, "run_load", lambda url, spec, timeout_s=300.0: sent.append(
+        (url, spec.concurrency, spec.n_requests, spec.output_sigma)))  # fmt: skip
+
+    class Res:
+        def event(self, name: str) -> None:
+            pass
+
+    class Bench:
+        by_label = {"plain": argparse.Namespace(url="P"), realgpu.HOOK: argparse.Namespace(url="H")}
+        book = argparse.Namespace(res=Res())
+
+        def use(self, policy: str) -> str:
+            return policy
+
+    for flag, drawn in (([], True), (["--no-warm-drawn"], False)):
+        sent.clear()
+        args = realgpu.parse(["--stages", "closed", "--conc", "4,64", *flag])
+        assert args.warm_drawn is drawn
+        realgpu.warm(Bench(), args, ["closed"])  # type: ignore[arg-type]
+        for url, depths in (("P", 1), ("H", len(DEPTHS))):
+            for c in (4, 64):
+                points = [(n, s) for u, cc, n, s in sent if u == url and cc == c]
+                assert points.count((c, 0.0)) == depths  # the 16-token point, once per depth
+                assert [p for p in points if p != (c, 0.0)] == ([(2 * c, 0.7)] if drawn else [])
+
+
+def test_the_testbed_target_holds_the_longest_context_a_call_asks_for() -> None:
+    """SGLang refuses a ``--context-length`` above the model's positions (two starts of call AQ
+    exited so at 32,768-token prompts): the built target covers every ``--long-input`` length
+    the issues ask for, with the longest drawn output."""
+    import build_models
+
+    cfg = build_models._llama_config(build_models.SHAPES["8b"], 1)
+    args = realgpu.parse(["--stages", "long", "--long-input", "4096,16384,32768", "--output-sigma", "0.7"])
+    assert args.context <= int(cfg["max_position_embeddings"])  # type: ignore[call-overload]

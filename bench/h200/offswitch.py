@@ -126,9 +126,6 @@ KINDS = {
     # the KV-only prefill extend asked for by name: the same server as `off` since call I, kept
     # so that the commands of calls F, H and I still run
     "off-pkv": Kind("static:0-pkv", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "kv"))),
-    # kv with each depth-0 prefill's keys and values owed with the steps' (one pass for both),
-    # not stored at once before and after what the steps owe (2026-12-07, not yet run)
-    "off-powed": Kind("static:0-powed", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_PREFILL", "owed"))),
     # kv with drafting resumed at once from the zeroed proposal (the default until 2026-12-06):
     # its first drafted step after depth 0 accepts nothing
     "off-cold": Kind("static:0-cold", True, KV_FLAGS, env=(KV_CHECK, ("SPECDEPTH_OFF_RESUME", "cold"))),
@@ -207,6 +204,17 @@ class Server(run.Server):
                 "--spec-depths", ",".join(map(str, self.depths)), "--spec-fallback", "0",
                 "--spec-stale-ms", "200", "--spec-instance", f"h200-{self.spec.label}", *self.kind.flags]  # fmt: skip
         return [sys.executable, "-m", "sglang_hook.launch_server", *hook, *common, *spec]
+
+
+def drawn_warmup(c: int, input_tokens: int, output_tokens: int, output_sigma: float, mix: str = "") -> LoadSpec:
+    """An untimed point like the timed ones at ``c`` (2c requests, drawn output lengths).
+
+    A warm-up of ``c`` requests that finish together never runs the drain's batch sizes or
+    staggered admissions. Without this point the first hook server's first timed repetition at
+    64 requests ran lowest in calls AJ-AN (in AL: about 1.1 s of 70-190 ms steps, most at batch
+    sizes the warm-up never ran); with it, not in AO. ``realgpu.py`` warms with it too."""
+    return LoadSpec(c, max(6, 2 * c), input_tokens, output_tokens, seed=500 + c,
+                    output_sigma=output_sigma or 0.7, mix=mix)  # fmt: skip
 
 
 def call_traces(out: Path) -> policyswap.TracePack:
@@ -761,9 +769,9 @@ def main() -> int:
         help="a recording controller (static:0) on each hook server and plain-rec; traces in traces.tar",
     )  # fmt: skip
     parser.add_argument(
-        "--warm-drawn", action="store_true",
-        help="also warm each server with an untimed point of drawn lengths at each C (2C requests): in most "
-        "calls the first hook server's first timed repetition at 64 requests ran lowest",
+        "--warm-drawn", action=argparse.BooleanOptionalAction, default=True,
+        help="also warm each server with an untimed point of drawn lengths at each C (drawn_warmup; "
+        "default on)",
     )  # fmt: skip
     parser.add_argument(
         "--no-prefill-graph",
@@ -821,9 +829,8 @@ def main() -> int:
         for server in live:  # warm every batch shape once, outside the timed points
             for c in args.conc:
                 run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c))
-                if args.warm_drawn:  # ... and a point like the timed ones: every batch size, admissions
-                    run_load(server.url, LoadSpec(c, max(6, 2 * c), args.input_tokens, args.output_tokens,
-                                                  seed=500 + c, output_sigma=args.output_sigma or 0.7))  # fmt: skip
+                if args.warm_drawn:
+                    run_load(server.url, drawn_warmup(c, args.input_tokens, args.output_tokens, args.output_sigma))
         res.event("warm")
         sample_stacks(live, args, res, book, deadline)  # short (about 20 s a server): before the points
         if args.profile_first:  # a call cut short keeps its profiles rather than its last points

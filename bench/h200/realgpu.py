@@ -200,7 +200,8 @@ class Bench:
 
 
 def warm(bench: Bench, args: argparse.Namespace, stages: list[str]) -> None:
-    """Every depth at every C on the hook server, every C elsewhere, long prompts once per server.
+    """Every depth at every C on the hook server, every C elsewhere, long prompts once per server;
+    with ``--warm-drawn`` also a point of drawn lengths at each C once per server.
 
     The hook's first swap also compiles the controller's numba kernels on a fresh machine
     (cached on disk for the later swaps)."""
@@ -211,6 +212,9 @@ def warm(bench: Bench, args: argparse.Namespace, stages: list[str]) -> None:
                 continue
             for c in conc:
                 run_load(server.url, LoadSpec(c, c, args.input_tokens, 16, seed=7 + c, mix=args.mix))
+                if args.warm_drawn and depth in (None, DEPTHS[0]):
+                    run_load(server.url, offswitch.drawn_warmup(c, args.input_tokens, args.output_tokens,
+                                                                args.output_sigma, mix=args.mix))  # fmt: skip
         if "long" in stages:
             for n_in in args.long_input:
                 run_load(server.url, LoadSpec(2, 2, n_in, 16, seed=8, mix=args.mix), timeout_s=300)
@@ -423,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--disable-prefill-cuda-graph on every server (about 100 s less start-up; "
                         "admissions then run eagerly)")  # fmt: skip
     parser.add_argument("--no-warm", action="store_true", help="skip the warm-up (a quick check only)")
+    parser.add_argument("--warm-drawn", action=argparse.BooleanOptionalAction, default=True,
+                        help="the warm-up also runs an untimed point of drawn lengths at each C, once per "
+                        "server (offswitch.drawn_warmup; default on)")  # fmt: skip
     return parser
 
 
