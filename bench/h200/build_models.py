@@ -74,6 +74,12 @@ SHAPES = {
 }
 
 
+# Llama-3.1-8B's 128k: the long stages (realgpu.py --long-input) send prompts up to 32k, and
+# SGLang refuses a --context-length above this. In build.json, so a machine's cached models
+# built with fewer positions are rebuilt (run.build_models).
+POSITIONS = 131072
+
+
 def _llama_config(shape: Shape, layers: int, **extra: object) -> dict[str, object]:
     head_dim = shape.hidden // shape.heads
     cfg: dict[str, object] = {
@@ -86,9 +92,7 @@ def _llama_config(shape: Shape, layers: int, **extra: object) -> dict[str, objec
         "num_key_value_heads": shape.kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        # Llama-3.1-8B's 128k: the long stages (realgpu.py --long-input) send prompts up to 32k,
-        # and SGLang refuses a --context-length above this.
-        "max_position_embeddings": 131072,
+        "max_position_embeddings": POSITIONS,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "vocab_size": VOCAB,
@@ -342,7 +346,7 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(args.seed)
     tok = args.tokenizer if args.tokenizer.is_dir() else None
-    report: dict[str, object] = {"shape": args.shape, **shape.__dict__, "vocab": VOCAB}
+    report: dict[str, object] = {"shape": args.shape, **shape.__dict__, "vocab": VOCAB, "positions": POSITIONS}
 
     pi, dmap, good = testbed.maps(args.seed) if args.testbed else (None, None, None)
     target = build_target(shape, gen, device, args.target_out_std, perm=pi)

@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
+from build_models import POSITIONS  # noqa: E402
 from loadgen import LoadSpec, run_load, start_load  # noqa: E402
 
 ROOT = Path(os.environ.get("H200_ROOT", "/root"))
@@ -185,7 +186,9 @@ def build_models(
         build = json.loads((MODELS / "build.json").read_text())
         have = {k[len("draft_") : -len("_self_map_fraction")] for k in build if k.startswith("draft_")}
         same_target = (
-            build.get("target_out_std", 0.002) == target_out_std and build.get("testbed", False) == testbed
+            build.get("target_out_std", 0.002) == target_out_std
+            and build.get("testbed", False) == testbed
+            and build.get("positions") == POSITIONS
         )
         if build.get("shape") == shape and set(drafts.split(",")) <= have and same_target:
             res.data["models"] = build
