@@ -241,6 +241,15 @@ def scale_classes(
     return replace(lp, **changes)
 
 
+def _spread(per_seq: np.ndarray) -> bool:
+    """Whether cached tokens per sequence spread enough to fit a term per token (the 90th
+    percentile at least :data:`CTX_SPREAD` times the 10th, over at least 10 steps)."""
+    if len(per_seq) < 10:
+        return False
+    lo, hi = np.percentile(per_seq, [10, 90])
+    return bool(hi >= CTX_SPREAD * lo)
+
+
 def fit_step_latency(
     lp: LatencyParams, steps: list[Step], overheads_only: bool = False, verify_seq: bool = False
 ) -> LatencyParams:
@@ -262,16 +271,17 @@ def fit_step_latency(
     ``verify_ctx_us_per_tok``, that kernel's loop over each request's prefix (per cached token
     per sequence, :mod:`env.latency`), is fitted where the traces' drafted steps tell it from
     ``oh_spec_us``: their cached tokens per sequence spread (the 90th percentile at least
-    :data:`CTX_SPREAD` times the 10th); else it stays as given.
+    :data:`CTX_SPREAD` times the 10th); else it stays as given. ``dec_walk_us_per_tok``, the
+    decode kernel's walk through one sequence's cached tokens, likewise where all the steps'
+    cached tokens per sequence spread.
     """
     from scipy.optimize import least_squares
 
     bs, depth, ctx, pf, us = _step_arrays(steps)
     if len(us) < 10:
         raise FitError(f"traces: only {len(us)} usable step records; need at least 10 to fit step latency")
-    per_seq = ctx[depth > 0] / np.maximum(bs[depth > 0], 1.0)
-    lo_ctx, hi_ctx = np.percentile(per_seq, [10, 90]) if len(per_seq) else (0.0, 0.0)
-    ctx_spread = len(per_seq) >= 10 and bool(hi_ctx >= CTX_SPREAD * lo_ctx)
+    ctx_spread = _spread(ctx[depth > 0] / np.maximum(bs[depth > 0], 1.0))
+    walk_spread = _spread(ctx / np.maximum(bs, 1.0))
     # (name, unit scale of the free variable, whether the traces identify it)
     over = [
         ("oh_us", 1000.0, True),
@@ -281,6 +291,7 @@ def fit_step_latency(
         ("v0_seq_us", 10.0, lp.off_path == "verify" and bool(np.any(depth == 0))),
         ("verify_seq_us", 10.0, verify_seq and bool(np.any(depth > 0))),
         ("verify_ctx_us_per_tok", 1.0, ctx_spread),
+        ("dec_walk_us_per_tok", 0.01, walk_spread),
     ]
     groups = tuple(_GROUPS.items())
     ng = len(groups)
@@ -295,6 +306,9 @@ def fit_step_latency(
         return np.clip(np.log(np.maximum(_predict_steps(make(z), bs, depth, ctx, pf), 1.0) / us), -20.0, 20.0)
 
     z0 = np.concatenate([np.zeros(ng), [getattr(lp, name) / unit for name, unit, _ in over]])
+    if walk_spread and lp.dec_walk_us_per_tok <= 0.0:
+        # The walk enters as a smooth max, flat at 0: start it at one unit so the solver moves it.
+        z0[ng + len(over) - 1] = 1.0
     # Subsample for speed: a few thousand steps pin these few parameters.
     if len(us) > 3000:
         idx = np.linspace(0, len(us) - 1, 3000).astype(int)
@@ -696,45 +710,62 @@ def decode_step_arrays(steps: list[Step]) -> tuple[np.ndarray, ...]:
 
 
 def trace_step_table(
-    lp: LatencyParams, steps: list[Step], bins: tuple[tuple[int, int], ...] = DEFAULT_BS_BINS
+    lp: LatencyParams,
+    steps: list[Step],
+    bins: tuple[tuple[int, int], ...] = DEFAULT_BS_BINS,
+    ctx_bins: tuple[tuple[int, int], ...] = ((0, 1 << 40),),
 ) -> dict[str, Any]:
-    """The latency model's step time against traced ``step_us``, per (depth, batch-size bin).
+    """The latency model's step time against traced ``step_us``, per (depth, context bin,
+    batch-size bin).
 
     Only prefill-free decode steps (:func:`decode_step_arrays`): a prefill's cost is a term of
     its own and its chunk sizes differ between runs. Medians (not means), because a record after
-    an idle gap or a host stall measures more than the step.
+    an idle gap or a host stall measures more than the step. ``ctx_bins``: cached tokens per
+    sequence, inclusive (default: one bin).
 
     Returns:
-        ``rows``: one dict per (depth, bin) with steps — ``depth``, ``bs_lo``, ``bs_hi``,
-        ``n``, ``real_ms`` (median traced), ``pred_ms`` (median predicted), ``ratio`` (median of
-        the per-step predicted / real); ``mape_pct`` over all those steps and ``mape_spec_pct``
-        over the k > 0 ones.
+        ``rows``: one dict per (depth, context bin, batch bin) with steps — ``depth``,
+        ``ctx_lo``, ``ctx_hi``, ``bs_lo``, ``bs_hi``, ``n``, ``real_ms`` (median traced),
+        ``pred_ms`` (median predicted), ``ratio`` (median of the per-step predicted / real),
+        ``mape_pct`` (the row's steps); ``worst``: the row whose ratio is farthest from 1;
+        ``mape_pct`` over all the steps, ``mape_k0_pct`` over the k = 0 ones and
+        ``mape_spec_pct`` over the k > 0 ones.
     """
     bs, depth, ctx, us = decode_step_arrays(steps)
     pred = step_times_us(lp, bs, depth, ctx, np.zeros_like(bs))
     ratio = pred / us
+    err = np.abs(ratio - 1.0) * 100.0
+    per_seq = ctx / np.maximum(bs, 1.0)
     rows = []
     for k in sorted({int(d) for d in depth}):
-        for lo, hi in bins:
-            m = (depth == k) & (bs >= lo) & (bs <= hi)
-            if not m.any():
-                continue
-            rows.append(
-                {
-                    "depth": k,
-                    "bs_lo": lo,
-                    "bs_hi": hi,
-                    "n": int(m.sum()),
-                    "real_ms": float(np.median(us[m]) / 1000.0),
-                    "pred_ms": float(np.median(pred[m]) / 1000.0),
-                    "ratio": float(np.median(ratio[m])),
-                }
-            )
-    err = np.abs(ratio - 1.0) * 100.0
-    spec = depth > 0
+        for c_lo, c_hi in ctx_bins:
+            for lo, hi in bins:
+                m = (depth == k) & (per_seq >= c_lo) & (per_seq <= c_hi) & (bs >= lo) & (bs <= hi)
+                if not m.any():
+                    continue
+                rows.append(
+                    {
+                        "depth": k,
+                        "ctx_lo": c_lo,
+                        "ctx_hi": c_hi,
+                        "bs_lo": lo,
+                        "bs_hi": hi,
+                        "n": int(m.sum()),
+                        "real_ms": float(np.median(us[m]) / 1000.0),
+                        "pred_ms": float(np.median(pred[m]) / 1000.0),
+                        "ratio": float(np.median(ratio[m])),
+                        "mape_pct": float(err[m].mean()),
+                    }
+                )
+
+    def mape(m: np.ndarray) -> float:
+        return float(err[m].mean()) if m.any() else float("nan")
+
     return {
         "rows": rows,
+        "worst": max(rows, key=lambda r: abs(math.log(r["ratio"]))) if rows else None,
         "n": int(len(us)),
-        "mape_pct": float(err.mean()) if len(err) else float("nan"),
-        "mape_spec_pct": float(err[spec].mean()) if spec.any() else float("nan"),
+        "mape_pct": mape(np.ones(len(err), dtype=bool)),
+        "mape_k0_pct": mape(depth == 0),
+        "mape_spec_pct": mape(depth > 0),
     }

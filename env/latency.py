@@ -12,6 +12,7 @@ target chose per shape)::
 
     attn_k(B, q, L) = (fix_k + seq_k·B + L·(kv1_k·B1 + kv_k·(B − B1))) · [split: 1 + qrel·(q − 2)]
     B1 = B / (1 + (B / wave_seqs)^s)^(1/s)        the sequences of the first wave (smooth min(B, wave_seqs))
+    attn_dec(B, 1, L) = fix + seq·B + ((L·(kv1·B1 + kv·(B − B1)))² + (walk·L)²)^(1/2)      decode, q = 1
 
 Why this form: a decode attention kernel runs one thread block per (sequence, KV head). Up to
 ``wave_seqs = SMs / KV heads`` sequences (16.5 on an H200 with 8 KV heads) fit in the first
@@ -23,6 +24,15 @@ tokens cost 2.2 ms as 16 sequences of 4096 and 3.6 ms as 64 of 1024. One linear 
 fitted over both regimes under-priced long-context large-batch decode by 13-23%. ``wave_seqs``
 and the sharpness ``s`` are declared from the hardware, not fitted: with one context length
 in the fit, C and B move together and the split could not be learned.
+
+The decode kernel's ``walk`` (``dec_walk_us_per_tok``) is one sequence's walk through its own
+cached tokens, one tile after another: a floor set by memory latency, not bandwidth, which a
+few sequences on their own SMs do not raise. SGLang's triton decode on the H100 testbed (call
+AQ, ``bench/results/realgpu/h100/longctx/``) cost about 0.38 µs per cached token per sequence
+at 4k-32k tokens, the same at batch 1 and 4 and only 1.14-1.17× that at 5-8, where the
+bandwidth term grows with the batch: no kv1 fits both a batch of 1 and one of 8 at 32k. The
+smooth maximum keeps the bandwidth term wherever it is the larger; 0 (every profile-built
+deployment) leaves the decode as before, bit for bit.
 
 The draft head is the same kind of pass, ``d_layers`` of the target's layers wide::
 
@@ -171,6 +181,9 @@ class LatencyParams:
     # SGLang's extend-attention loop over a request's prefix, per cached token per sequence
     # (module docstring): fitted to traces, 0 in the profile-built deployments.
     verify_ctx_us_per_tok: float = 0.0
+    # The decode kernel's walk through one sequence's cached tokens, per token per layer (module
+    # docstring): fitted to traces whose decode contexts spread, 0 in the profile-built deployments.
+    dec_walk_us_per_tok: float = 0.0
     ext_wave_seqs: float = 4.125  # ... whose blocks run side by side: SMs / query heads (declared)
     pf_attn_us_per_tok: float = 0.02
     pf_scale: float = 1.0
@@ -235,7 +248,7 @@ STEP_COEFFS = (
     "oh_us", "oh_spec_us", "oh_req_us",
     "off_verify", "off_extend", "v0_fix_us", "v0_seq_us",
     "pf_attn_us_per_tok", "pf_scale", "verify_seq_us", "admit_us", "admit_seq_us", "admit_hide",
-    "verify_ctx_us_per_tok", "ext_wave_seqs",
+    "verify_ctx_us_per_tok", "ext_wave_seqs", "dec_walk_us_per_tok",
 )  # fmt: skip
 (
     I_T_FIX, I_W, I_F, I_P, I_TOK, I_LAYERS,
@@ -245,8 +258,8 @@ STEP_COEFFS = (
     I_OH, I_OH_SPEC, I_OH_REQ,
     I_OFF_VERIFY, I_OFF_EXTEND, I_V0_FIX, I_V0_SEQ,
     I_PF_ATTN, I_PF_SCALE, I_VER_SEQ, I_ADMIT, I_ADMIT_SEQ, I_ADMIT_HIDE,
-    I_VER_CTX, I_EXT_WAVE,
-) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41)  # fmt: skip
+    I_VER_CTX, I_EXT_WAVE, I_DEC_WALK,
+) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42)  # fmt: skip
 I_SPLIT_Q = I_SPLIT + 4
 
 _COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
@@ -314,7 +327,11 @@ def _attn_pass(c: np.ndarray, b: float, q: float, ctx_tokens: float, kernel: int
         return 0.0
     ctx = ctx_tokens / b
     if q <= 1.0 and kernel != 2:
-        return _attn_layer(c, I_DEC, b, ctx)
+        stream = _attn_layer(c, I_DEC, b, ctx)
+        if c[I_DEC_WALK] <= 0.0:
+            return stream
+        fix = c[I_DEC] + c[I_DEC + 1] * b  # the smooth max of streaming all and walking one
+        return fix + math.hypot(stream - fix, c[I_DEC_WALK] * ctx)
     split = _attn_layer(c, I_SPLIT, b, ctx) * (1.0 + c[I_SPLIT_Q] * (q - 2.0))
     if kernel == 2:
         return split
