@@ -44,3 +44,26 @@ def test_the_held_out_rows_are_the_ones_the_issue_names(report):
     # Every 4096-token target row the profile has (B = 1-32; B = 64-256 at 4096 were not profiled).
     assert counts["long context", "target decode"] + counts["long context", "target verify"] == 48
     assert counts["large batch", "target decode"] + counts["large batch", "target verify"] == 24
+
+
+def test_sglangs_own_steps_at_16k_and_32k_from_a_fit_up_to_4k(tmp_path: Path) -> None:
+    """Real step records (call AQ: SGLang 0.5.17's triton kernels through the hook on an H100,
+    `bench/results/realgpu/h100/longctx/`), fitted as `controller fit` fits traces on every step
+    below 8,192 cached tokens per sequence (256-token prompts and 4k ones), priced at 16k and
+    32k. The decode kernel's walk term carries depth 0 there (without it the fit priced a 32k
+    decode at batch 1 at 0.43 of its time); the extend kernel's loop the drafted steps."""
+    import sys
+    import tarfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import longctx_extrapolation as lx
+
+    with tarfile.open(lx.TAR) as tf:
+        tf.extractall(tmp_path, filter="data")
+    res = lx.fit_below(tmp_path / "traces", tmp_path / "split", lx.FIT_UP_TO)
+    t = res["beyond"]
+    assert {(r["depth"], r["ctx_lo"]) for r in t["rows"]} == {(k, c) for k in (0, 3, 5) for c in (8192, 24576)}
+    assert t["n"] > 1500
+    assert t["mape_pct"] <= 5.0 and t["mape_k0_pct"] <= 5.0 and t["mape_spec_pct"] <= 6.0, t
+    assert 0.85 <= t["worst"]["ratio"] <= 1.15, t["worst"]
+    assert res["fit"]["dec_walk_us_per_tok"] > 0.0 and res["fit"]["verify_ctx_us_per_tok"] > 0.0
