@@ -808,6 +808,39 @@ def test_the_simulator_replays_drawn_output_lengths() -> None:
     assert args.output_sigma == 0.7
 
 
+def test_the_simulator_replays_a_long_point_as_the_long_stage_sent_it(tmp_path: Path) -> None:
+    """A long point (``realgpu.stage_loop``): C requests of its prompt length, one wave, seeded
+    as the long stage seeds them; read from the CSV beside the closed points and labelled by
+    its prompt length."""
+    import realgpu_sim
+
+    sent: list[realgpu.LoadSpec] = []
+
+    class Bench:
+        def time_left(self, need_s: float) -> bool:
+            return True
+
+        def use(self, policy: str) -> str:
+            return "off"
+
+        def measure(self, server: str, policy: str, spec: realgpu.LoadSpec, rep: int, workload: str) -> None:
+            sent.append(spec)
+
+    args = realgpu.parse(["--stages", "long", "--long-input", "16384", "--long-conc", "8",
+                          "--long-policies", "static:0", "--first-rep", "3"])  # fmt: skip
+    realgpu.stage_loop(Bench(), args, "long")  # type: ignore[arg-type]
+    assert realgpu_sim.point_load("long-mix-16384-128", 8, 3, 2, args.mix) == sent[0]
+    assert realgpu_sim.sim_workload("long-mix-16384-128", 8) == "closed:8@prompt=16384,output=128,n=8"
+    assert realgpu_sim.point_label("static:3", "long-mix-16384-128~0.7") == "static:3 [128~0.7, long 16384]"
+    csv_path = tmp_path / "summary.csv"
+    csv_path.write_text("workload,concurrency,policy,rep,tok_s,tpot_ms_mean,tpot_ms_p99,failed\n"
+                        "closed-mix-256-128,4,static:0,1,600,6.3,6.3,0\nlong-mix-16384-128,8,static:0,1,548,13,14,0\n"
+                        "open-shift-90s,0,static:0,1,900,9,12,0\n")  # fmt: skip
+    assert set(realgpu_sim.measured([csv_path])) == {
+        ("closed-mix-256-128", "static:0", 4), ("long-mix-16384-128", "static:0", 8)
+    }
+
+
 def test_the_profile_timeline_splits_a_step_into_graph_eager_and_idle() -> None:
     """Two steps: a graph replay (two kernels), then an eager kernel the GPU waited 50 us for."""
     import offswitch

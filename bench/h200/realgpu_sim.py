@@ -4,10 +4,10 @@ Run: ``python bench/h200/realgpu_sim.py --sim FIT/sim.json CALL.csv [CALL.csv ..
 (``FIT``: what ``controller train --traces`` wrote; the CSVs: ``realgpu.py``'s
 ``summary.csv``, one per call).
 
-For every closed point (policy, C) of the CSVs, the same benchmark in the simulator (the
+For every closed and long point (policy, C) of the CSVs, the same benchmark in the simulator (the
 servers of their own, ``plain`` and SGLang's rule, as :data:`SERVER_SIMS` says): closed loop
 at C, max(4, R·C) requests (what ``realgpu.py --requests-per-conc R`` sends; give the call's
-R), the policy deciding one step late, throughput = output tokens /
+R; a long point, C requests of its prompt length), the policy deciding one step late, throughput = output tokens /
 wall time of the whole run, mean over ``--seeds`` (the engine's acceptance draws) and over the
 point's repetitions. With ``--draws exact`` (the default) each repetition replays the requests
 the call sent in it (``realgpu.point_seed``): their output lengths, and their families, a
@@ -96,10 +96,10 @@ def in_zero_part(family: str) -> bool:
 
 
 def measured(paths: list[Path]) -> dict[tuple[str, str, int], dict[int, float]]:
-    """(workload, policy, C) → {repetition: tok/s}, closed points only."""
+    """(workload, policy, C) → {repetition: tok/s}, closed and long points."""
     out: dict[tuple[str, str, int], dict[int, float]] = defaultdict(dict)
     for row in realgpu_report.read_rows(paths):
-        if row["workload"].startswith("closed"):
+        if row["workload"].startswith(("closed", "long")):
             out[(row["workload"], row["policy"], row["concurrency"])][row["rep"]] = row["tok_s"]
     return dict(out)
 
@@ -123,17 +123,19 @@ def call_args(path: Path | None) -> argparse.Namespace:
 
 
 def point_load(workload: str, c: int, rep: int, per_conc: int, mix: str) -> loadgen.LoadSpec:
-    """The load ``realgpu.py`` sent for a closed point in repetition ``rep``."""
+    """The load ``realgpu.py`` sent for a closed or long point in repetition ``rep``
+    (``realgpu.stage_loop``: a long point sends C requests, one wave)."""
+    stage = workload.split("-")[0]
     prompt, out = workload.split("-")[-2:]
     median, _, sigma = out.partition("~")
     return loadgen.LoadSpec(
-        c, max(4, per_conc * c), int(prompt), int(median), seed=realgpu.point_seed(rep, c), mix=mix,
-        output_sigma=float(sigma or 0.0),
+        c, max(4, per_conc * c) if stage == "closed" else c, int(prompt), int(median),
+        seed=realgpu.point_seed(rep, c, stage), mix=mix, output_sigma=float(sigma or 0.0),
     )  # fmt: skip
 
 
 def point_hit(workload: str, c: int, per_conc: int, call: argparse.Namespace, prefix_hit: float) -> float:
-    """The prefix-cache hit of a closed point: ``prefix_hit`` where ``realgpu.py`` sent its
+    """The prefix-cache hit of a closed or long point: ``prefix_hit`` where ``realgpu.py`` sent its
     prompts before timing it, 0 where it ran cold."""
     load = point_load(workload, c, 1, per_conc, call.mix)
     cached = realgpu.prewarmed(load.n_requests, load.input_tokens, call.max_total_tokens, call.prewarm)
@@ -202,11 +204,21 @@ def zero_share(mix: str) -> float:
     return sum(in_zero_part(f) for f in names) / len(names) if names else 0.0
 
 
-def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
-    """The simulator's spec for a closed point of ``realgpu.py``: ``closed-mix-IN-OUT`` (OUT
-    ``N`` or ``N~SIGMA``, drawn output lengths) at C, max(4, ``per_conc``·C) requests."""
+def point_label(policy: str, workload: str) -> str:
+    """``policy``, tagged with its drawn output lengths (``[N~SIGMA]``) and a long point's
+    prompt length (``[long 32768]``)."""
     prompt, out = workload.split("-")[-2:]
-    return f"closed:{c}@prompt={prompt},output={out},n={max(4, per_conc * c)}"
+    tags = ([out] if "~" in out else []) + ([f"long {prompt}"] if workload.startswith("long") else [])
+    return f"{policy} [{', '.join(tags)}]" if tags else policy
+
+
+def sim_workload(workload: str, c: int, per_conc: int = 2) -> str:
+    """The simulator's spec for a closed or long point of ``realgpu.py``: ``STAGE-mix-IN-OUT``
+    (OUT ``N`` or ``N~SIGMA``, drawn output lengths) at C, as many requests as
+    :func:`point_load`."""
+    load = point_load(workload, c, 1, per_conc, "")
+    out = workload.split("-")[-1]
+    return f"closed:{c}@prompt={load.input_tokens},output={out},n={load.n_requests}"
 
 
 def at_share(params: Any, call: argparse.Namespace) -> Any:
@@ -294,7 +306,7 @@ def replay(
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         for (workload, policy, c), reps in sorted(points.items()):
             factory, depths, server = policy_sim(policy, plain_latency)
-            label = f"{policy} [{workload.split('-')[-1]}]" if "~" in workload else policy
+            label = point_label(policy, workload)
             if factory is None:
                 out.append((label, c, list(reps.values()), None))
                 continue
