@@ -308,7 +308,7 @@ def fit_step_latency(
     z0 = np.concatenate([np.zeros(ng), [getattr(lp, name) / unit for name, unit, _ in over]])
     if walk_spread and lp.dec_walk_us_per_tok <= 0.0:
         # The walk enters as a smooth max, flat at 0: start it at one unit so the solver moves it.
-        z0[ng + len(over) - 1] = 1.0
+        z0[ng + [name for name, _, _ in over].index("dec_walk_us_per_tok")] = 1.0
     # Subsample for speed: a few thousand steps pin these few parameters.
     if len(us) > 3000:
         idx = np.linspace(0, len(us) - 1, 3000).astype(int)
