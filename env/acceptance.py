@@ -190,8 +190,9 @@ def fit_acceptance(
 
     Returns:
         The fitted params (``rel_se`` from the observed information) and a report with the
-        number of entries and the total-variation distance between the fitted and the
-        observed accept-length distributions, per depth and averaged.
+        number of entries, the mean negative log-likelihood per entry (``nll``) and the
+        total-variation distance between the fitted and the observed accept-length
+        distributions, per depth and averaged.
 
     Raises:
         FitError: fewer than 50 entries at depths > 0.
@@ -253,7 +254,7 @@ def fit_acceptance(
     # stays within the plausible range when the histograms identify them only weakly.
     caps = (0.3, 0.1, 0.5)
     ap = replace(ap, rel_se={n: float(min(s, c)) for n, s, c in zip(("alpha", "beta", "sigma"), se, caps)})
-    report: dict[str, float] = {"entries": n_total}
+    report: dict[str, float] = {"entries": n_total, "nll": float(best.fun)}
     tvs, weights = [], []
     for d in sorted({d for d, _, _ in items}):
         got = np.sum([c for dd, _, c in items if dd == d], axis=0)

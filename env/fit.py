@@ -152,6 +152,46 @@ def accept_counts(steps: list[Step], ap: AcceptanceParams | None = None) -> dict
     return out
 
 
+CTX_FALL_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+"""The falls with context (``ctx_logit``, logits per e-fold of context past ``ctx_ref_tokens``)
+that :func:`fit_context_fall` compares, with the base's own."""
+
+
+def fit_context_fall(steps: list[Step], ap: AcceptanceParams) -> tuple[AcceptanceParams, str]:
+    """``ap`` with the fall with context (``ctx_logit``) the traces support, and a line for the
+    fit report ("" when the traces cannot tell it: unchanged).
+
+    The base's fall (the published one: accepted length 2.30 at 2k tokens, 1.08 at 20k) is a
+    property of a drafter, and a drafter that tracks long sequences as well as short ones
+    exists (the H100 testbed's: its drafts accept per token, whatever the context). Kept fixed,
+    the base's fall makes the fit read every long-context step as a worse request and widen the
+    population to match (call AQ's records: logit sigma 9.8 and no zero part, where the short
+    steps alone give 0.35 and a third at zero, the testbed's three families). Where the drafted
+    entries' contexts spread past ``ctx_ref_tokens`` (their e-folds past it, 90th percentile
+    against 10th, differ by ``ln`` :data:`CTX_SPREAD` or more; else a fall is one shift that
+    ``alpha`` absorbs), each fall of :data:`CTX_FALL_GRID` (and the base's) is fitted
+    (:func:`fit_acceptance`) and the most likely one kept; ``ctx_ref_tokens`` stays the base's.
+    """
+    drafted = [s for s in steps if s.depth > 0 and s.accept]
+    per_seq = np.array([s.ctx_tokens / max(s.bs, 1) for s in drafted])
+    # e-folds past ctx_ref_tokens: where they hardly differ, a fall is one shift that alpha absorbs
+    past = np.log(np.maximum(per_seq / ap.ctx_ref_tokens, 1.0))
+    if ap.ctx_ref_tokens >= 1e9 or len(past) < 50 or np.ptp(np.percentile(past, [10, 90])) < math.log(CTX_SPREAD):
+        return ap, ""
+    nll: dict[float, float] = {}
+    for fall in sorted(set(CTX_FALL_GRID) | {ap.ctx_logit}):
+        cand = replace(ap, ctx_logit=fall)
+        _, rep = fit_acceptance(accept_counts(drafted, cand), cand, step_weighted=True)
+        nll[fall] = rep["nll"]
+    best = min(nll, key=lambda f: nll[f])
+    line = (
+        f"acceptance's fall with context ctx_logit {best:g} past {ap.ctx_ref_tokens:.0f} tokens (most likely of "
+        + ", ".join(f"{f:g}" for f in nll)
+        + f"; the base's {ap.ctx_logit:g})"
+    )
+    return replace(ap, ctx_logit=best), line
+
+
 def _tv(ap: AcceptanceParams, counts: dict) -> float | None:
     by_depth: dict[int, list[tuple[float, np.ndarray]]] = {}
     for key, c in counts.items():
@@ -599,6 +639,9 @@ def fit_sim(
                 f"the off switch resumes warm (one more depth-0 step before drafting): the hook's default, and no "
                 f"resume loss in the traces ({n_resumed} drafted steps right after depth 0)"
             )
+        ap, fall = fit_context_fall(_flat(acc_recs), ap)
+        if fall:
+            report.fitted.append(fall)
         fit_acc, hold_acc = _split(acc_recs)
         counts_fit, counts_hold = accept_counts(_flat(fit_acc), ap), accept_counts(_flat(hold_acc), ap)
         counts_all = accept_counts(_flat(acc_recs), ap)

@@ -568,3 +568,32 @@ def test_the_fit_reads_a_resume_that_loses_its_drafts_apart_from_the_drafter(tmp
         assert not fit_sim(str(tmp_path), [], off_draft="keep")[0].engine.warm_resume  # keep inserts nothing
     # The drafter as the other steps show it, resumes or not: its first position's mean rate.
     assert marginal_conditionals(fitted.acceptance)[0] == pytest.approx(marginal_conditionals(truth)[0], abs=0.05)
+
+
+@pytest.mark.parametrize("truth", [0.0, 1.0])
+def test_the_fall_with_context_is_the_one_the_steps_show(truth):
+    """Simulated steps at 256, 4,000 and 12,000 tokens of prompt (depth 3) whose drafter falls
+    with context by ``truth``: fitted from the published fall (1.47), the most likely fall is
+    the true one, and the population stays what it was (a drafter that does not fall must not
+    come out as a wide population, as AQ's records did with the fall held fixed)."""
+    from env.engine import Engine
+    from env.fit import accept_counts, fit_context_fall
+
+    base = load_deployment("h200-llama8b")
+    ap_true = replace(base.acceptance, ctx_logit=truth, sigma=0.4, p_zero=0.3, drift_sd=0.0)
+    steps = []
+    for i, prompt in enumerate((256, 4000, 12000)):
+        eng = Engine(replace(base, acceptance=ap_true), f"closed:4@prompt={prompt},output=300")
+        eng.reset(i)
+        steps += [eng.step(3) for _ in range(1200)]
+    start = replace(ap_true, ctx_logit=base.acceptance.ctx_logit)
+    fitted, line = fit_context_fall(steps, start)
+    assert fitted.ctx_logit == pytest.approx(truth, abs=0.25), line
+    assert "most likely" in line
+    ap, _ = fit_acceptance(accept_counts(steps, fitted), fitted, step_weighted=True)
+    assert ap.sigma < 1.5 and 0.15 < ap.p_zero < 0.45
+    # Steps all at one context cannot tell a fall from alpha: the base's stays.
+    one = Engine(replace(base, acceptance=ap_true), "closed:4@prompt=6000,output=200")
+    one.reset(0)
+    kept, why = fit_context_fall([one.step(3) for _ in range(500)], start)
+    assert kept.ctx_logit == start.ctx_logit and why == ""
