@@ -113,12 +113,20 @@ def markdown(title: str, t: dict[str, Any]) -> str:
 
 def fit(traces: Path, out: Path) -> Any:
     """``controller fit --traces traces --out out --off-path plain --off-draft kv``: the
-    fitted latency params (the whole fit written to ``out``)."""
+    fitted params (also written to ``out``)."""
     from env.fit import fit_sim
 
     params, _ = fit_sim(str(traces), [], off_path="plain", off_draft="kv")
     params.to_json(str(out))
-    return params.latency
+    return params
+
+
+def _coeffs(params: Any) -> dict[str, Any]:
+    """The fit's latency coefficients and its acceptance population, for the tables and JSON."""
+    return {
+        **{k: v for k, v in params.latency.to_dict().items() if k != "rel_se"},
+        "acceptance": {k: v for k, v in params.acceptance.to_dict().items() if k != "rel_se"},
+    }
 
 
 SPLITS = (("short", LONG_MIN_CTX), ("to4k", FIT_UP_TO))
@@ -130,12 +138,12 @@ def fit_below(traces: Path, out: Path, at: int) -> dict[str, Any]:
     """Split ``traces`` at ``at`` cached tokens per sequence into ``out``, fit below
     (``out/fit.json``) and price both parts: ``steps``, ``beyond``, ``in_sample``, ``fit``."""
     steps = split_traces(traces, out, at)
-    lp = fit(out / "below", out / "fit.json")
+    params = fit(out / "below", out / "fit.json")
     return {
         "steps": steps,
-        "beyond": price(lp, out / "above"),
-        "in_sample": price(lp, out / "below"),
-        "fit": {k: v for k, v in lp.to_dict().items() if k != "rel_se"},
+        "beyond": price(params.latency, out / "above"),
+        "in_sample": price(params.latency, out / "below"),
+        "fit": _coeffs(params),
     }
 
 
@@ -147,11 +155,11 @@ def run(tar: Path, out: Path, splits: tuple[tuple[str, int], ...] = SPLITS) -> d
             tf.extractall(tmp, filter="data")
         for name, at in splits:
             res[name] = fit_below(Path(tmp) / "traces", out / name, at)
-    lp_all = fit(out / splits[0][0] / "all", out / "fit-all.json")
+    all_params = fit(out / splits[0][0] / "all", out / "fit-all.json")
     res["all"] = {
-        "in_sample": price(lp_all, out / splits[0][0] / "all"),
-        "beyond": price(lp_all, out / splits[0][0] / "above"),
-        "fit": {k: v for k, v in lp_all.to_dict().items() if k != "rel_se"},
+        "in_sample": price(all_params.latency, out / splits[0][0] / "all"),
+        "beyond": price(all_params.latency, out / splits[0][0] / "above"),
+        "fit": _coeffs(all_params),
     }
     return res
 
@@ -175,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     keys = ("oh_us", "oh_spec_us", "dec_kv1_us_per_tok", "dec_kv_us_per_tok", "dec_walk_us_per_tok",
             "verify_seq_us", "verify_ctx_us_per_tok")  # fmt: skip
     for name in [n for n, _ in SPLITS] + ["all"]:
-        print(f"fit {name}: " + ", ".join(f"{k} {res[name]['fit'][k]:.4g}" for k in keys))
+        acc = res[name]["fit"]["acceptance"]
+        print(f"fit {name}: " + ", ".join(f"{k} {res[name]['fit'][k]:.4g}" for k in keys)
+              + "; acceptance " + ", ".join(f"{k} {acc[k]:.3g}" for k in ("alpha", "beta", "sigma", "p_zero", "ctx_logit")))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 
