@@ -256,6 +256,25 @@ def test_parse_starts_only_the_servers_the_stages_need() -> None:
     assert [realgpu.rotate(list(range(15)), rep)[0] for rep in (1, 2, 3)] == [0, 5, 10]
 
 
+def stage_points(args: argparse.Namespace, stage: str) -> list[tuple[int, str, str, realgpu.LoadSpec]]:
+    """(rep, policy, workload, load) of each point ``realgpu.stage_loop`` measures, in order, on
+    a bench with time left whose every policy goes live on the hook server."""
+    points: list[tuple[int, str, str, realgpu.LoadSpec]] = []
+
+    class Bench:
+        def time_left(self, need_s: float) -> bool:
+            return True
+
+        def use(self, policy: str) -> str:
+            return "off"
+
+        def measure(self, server: str, policy: str, spec: realgpu.LoadSpec, rep: int, workload: str) -> None:
+            points.append((rep, policy, workload, spec))
+
+    realgpu.stage_loop(Bench(), args, stage)  # type: ignore[arg-type]
+    return points
+
+
 def test_the_long_stage_runs_each_prompt_length_for_each_policy_and_sizes_the_context() -> None:
     """``--long-input`` as a list: per repetition and policy (one controller start), each length
     at each C, every point named by its length; the servers' context holds the longest prompt
@@ -269,19 +288,8 @@ def test_the_long_stage_runs_each_prompt_length_for_each_policy_and_sizes_the_co
     with pytest.raises(SystemExit):
         realgpu.parse(["--stages", "long", "--long-input", "32768", "--context", "32768"])
 
-    measured: list[tuple[int, str, str, int, int]] = []
-
-    class Bench:
-        def time_left(self, need_s: float) -> bool:
-            return True
-
-        def use(self, policy: str) -> str:
-            return "off"
-
-        def measure(self, server: str, policy: str, spec: realgpu.LoadSpec, rep: int, workload: str) -> None:
-            measured.append((rep, policy, workload, spec.input_tokens, spec.concurrency))
-
-    realgpu.stage_loop(Bench(), args, "long")  # type: ignore[arg-type]
+    measured = [(rep, policy, workload, spec.input_tokens, spec.concurrency)
+                for rep, policy, workload, spec in stage_points(args, "long")]  # fmt: skip
     out = "128"
     assert measured == [
         (rep, policy, f"long-mix-{n}-{out}", n, c)
@@ -814,21 +822,9 @@ def test_the_simulator_replays_a_long_point_as_the_long_stage_sent_it(tmp_path: 
     its prompt length."""
     import realgpu_sim
 
-    sent: list[realgpu.LoadSpec] = []
-
-    class Bench:
-        def time_left(self, need_s: float) -> bool:
-            return True
-
-        def use(self, policy: str) -> str:
-            return "off"
-
-        def measure(self, server: str, policy: str, spec: realgpu.LoadSpec, rep: int, workload: str) -> None:
-            sent.append(spec)
-
     args = realgpu.parse(["--stages", "long", "--long-input", "16384", "--long-conc", "8",
                           "--long-policies", "static:0", "--first-rep", "3"])  # fmt: skip
-    realgpu.stage_loop(Bench(), args, "long")  # type: ignore[arg-type]
+    sent = [spec for *_, spec in stage_points(args, "long")]
     assert realgpu_sim.point_load("long-mix-16384-128", 8, 3, 2, args.mix) == sent[0]
     assert realgpu_sim.sim_workload("long-mix-16384-128", 8) == "closed:8@prompt=16384,output=128,n=8"
     assert realgpu_sim.point_label("static:3", "long-mix-16384-128~0.7") == "static:3 [128~0.7, long 16384]"
