@@ -380,7 +380,7 @@ def _tokens_and_times(engine: Any, depths: tuple[int, ...]) -> tuple[np.ndarray,
     tokens = np.array([engine.expected_tokens(d) for d in depths], dtype=np.float64)
     lat = engine.params.latency
     times = np.array(
-        [step_time_us(lat, engine.n, d, engine.ctx_sum, engine.prefill_pending) for d in depths],
+        [step_time_us(lat, engine.n, d, engine.ctx_sum, engine.prefill_pending, engine.pairs_pending) for d in depths],
         dtype=np.float64,
     )
     return tokens, times

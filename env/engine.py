@@ -47,7 +47,7 @@ import numpy as np
 from controller._jit import maybe_njit
 from controller.errors import ConfigError
 from controller.protocol import Step
-from env.latency import step_coeffs, step_time_us, step_times_kernel
+from env.latency import prefill_pairs, step_coeffs, step_time_us, step_times_kernel
 from env.params import SimParams
 from env.workload import Arrivals, WorkloadSpec, parse_workload
 
@@ -178,6 +178,8 @@ class Engine:
         self.completed: list[RequestStats] = []
         self.tokens_emitted = 0
         self.prefill_pending = 0
+        self.pairs_pending = 0.0  # the pending prefills' attention pairs (env.latency.prefill_pairs)
+        self.last_pairs = 0.0  # ... the last step's (its record carries only the prefilled tokens)
         self.next_rid = 0
         self.last_model_us = 0.0
         self.last_base_us = 0.0
@@ -248,6 +250,7 @@ class Engine:
             self.n += 1
             self.kv_reserved += need
             prefilled += uncached
+            self.pairs_pending += prefill_pairs(uncached, prompt - uncached)
         return prefilled
 
     # ------------------------------------------------------------------ stepping
@@ -316,7 +319,8 @@ class Engine:
 
         # Two kernel calls: numba's cache of a kernel is invalidated when its own file
         # changes, not when a kernel it calls from another file does, so none calls across.
-        model_us, base_us = step_times_kernel(self._lat_c, n, depth, ctx_sum, pf)
+        self.last_pairs = self.pairs_pending
+        model_us, base_us = step_times_kernel(self._lat_c, n, depth, ctx_sum, pf, self.last_pairs)
         busy, tokens, self.drift, self._pen_active, n_done = _decode(
             self._consts,
             self._ints,
@@ -346,6 +350,7 @@ class Engine:
         self.last_base_us = base_us
         self.last_busy_us = busy
         self.prefill_pending = 0
+        self.pairs_pending = 0.0
         self.last_tokens = tokens
         # Positional, in Step's field order (keywords cost 0.6 µs more per record):
         # instance, seq, depth, bs, waiting, accept, step_us, ctx_tokens, kv_usage,
@@ -422,7 +427,7 @@ class Engine:
         the true per-request acceptance and the latency model (for the clairvoyant oracle)."""
         if self.n == 0:
             return 0.0
-        t_us = step_time_us(self.params.latency, self.n, depth, self.ctx_sum, self.prefill_pending)
+        t_us = step_time_us(self.params.latency, self.n, depth, self.ctx_sum, self.prefill_pending, self.pairs_pending)
         return self.expected_tokens(depth) / t_us * 1e6
 
     # ------------------------------------------------------------------ introspection

@@ -334,6 +334,12 @@ def fit_step_latency(
         ("dec_walk_us_per_tok", 0.01, walk_spread),
     ]
     groups = tuple(_GROUPS.items())
+    if lp.f_floor_us_per_tok > 0.0 and lp.f_us_per_tok > 0.0:
+        # The GEMM's compute per token scales on its own, never below the device's peak: where
+        # every step's GEMM is bound by the weight read the steps hardly constrain it (call AQ's
+        # fit took it to 0.5 µs, 29 PFLOP/s), and a prefill priced with it is short 24x.
+        groups = tuple((name, tuple(n for n in names if n != "f_us_per_tok")) for name, names in groups)
+        groups += (("compute", ("f_us_per_tok",)),)
     ng = len(groups)
 
     def make(z: np.ndarray) -> LatencyParams:
@@ -355,6 +361,8 @@ def fit_step_latency(
         bs, depth, ctx, pf, us = bs[idx], depth[idx], ctx[idx], pf[idx], us[idx]
     lo = np.concatenate([np.full(ng, -5.0), np.zeros(len(over))])
     hi = np.concatenate([np.full(ng, 5.0), np.full(len(over), 1e4)])
+    if groups[-1][0] == "compute":
+        lo[ng - 1] = math.log(lp.f_floor_us_per_tok / lp.f_us_per_tok)
     for i, (_, _, active) in enumerate(over):
         if not active:  # what the traces cannot see stays as given (tight bounds)
             lo[ng + i], hi[ng + i] = z0[ng + i] - 1e-9, z0[ng + i] + 1e-9

@@ -77,8 +77,16 @@ C = 1 and 0.40x at C = 64-128; ``v0_fix``/``v0_seq`` carry that kernel's extra c
 Switching depth costs nothing of its own (measured: a 0→3→0 round trip is within noise).
 
 Prefill of ``P`` prompt tokens between two decode steps adds
-``t_fix + pf_scale·(gemm(w, f, P) + tok·P) + layers·fix_dec + pf_attn·P`` (chunked, one pass),
-and the admission's own cost ``max(0, admit + admit_seq·B − admit_hide·T)``, ``T`` the step it
+``t_fix + pf_scale·(gemm(w, f, P) + tok·P) + layers·(fix_dec + pf_pair·A) + pf_attn·P`` (chunked,
+one pass), with ``A = Σ n·(c + (n + 1)/2)`` over the admitted prompts (``n`` tokens prefilled
+after ``c`` cached): each new token attends to the prefix and to the prompt before it, so a
+prompt's attention is quadratic in its length. On the H100 testbed a cold 32k prompt took about
+2.64 s (call AQ's time to first token), where its GEMMs at the device's peak take under 0.5 s;
+``pf_pair`` (per token pair per layer) carries the rest and is 0 (none) unless declared. The
+fit to traces never sees it (the hook records decode steps; a prompt prefilled while nothing
+decodes leaves no record), nor does it see ``f`` where every step's GEMM is bound by the weight
+read: ``f_floor_us_per_tok`` (declared: 2 × the target's parameters / the device's peak
+FLOP/s) keeps a fitted ``f`` physical. Then the admission's own cost ``max(0, admit + admit_seq·B − admit_hide·T)``, ``T`` the step it
 joins without it (fitted to traces, :func:`env.fit.fit_admission`; 0 in the profile-built
 deployments): SGLang's overlap scheduler prepares an admission while the GPU runs a step, so a
 longer step hides more of it.
@@ -187,6 +195,11 @@ class LatencyParams:
     ext_wave_seqs: float = 4.125  # ... whose blocks run side by side: SMs / query heads (declared)
     pf_attn_us_per_tok: float = 0.02
     pf_scale: float = 1.0
+    # A prompt's causal attention, per (prefilled token × token it attends) per layer (module
+    # docstring): 0 (not priced) unless declared from a measurement.
+    pf_pair_us: float = 0.0
+    # The least ``f_us_per_tok`` a fit may give (declared: 2 × parameters / peak FLOP/s; 0: none).
+    f_floor_us_per_tok: float = 0.0
     # A step that admits requests, beyond its prefill pass: fitted to traces (env.fit), 0 in the
     # profile-built deployments. On the H100 testbed (prefix-cached prompts, eager prefills) an
     # admission cost the speculative server 40-90 ms against a 7-10 ms decode step.
@@ -229,7 +242,7 @@ class LatencyParams:
         return replace(self, **changes)
 
 
-DECLARED = ("p", "layers", "wave_seqs", "wave_sharpness", "d_layers", "ext_wave_seqs")
+DECLARED = ("p", "layers", "wave_seqs", "wave_sharpness", "d_layers", "ext_wave_seqs", "pf_pair_us", "f_floor_us_per_tok")
 """Coefficients set from the hardware and the model's shape, never fitted."""
 
 # --------------------------------------------------------------------------- the coefficient array
@@ -248,7 +261,7 @@ STEP_COEFFS = (
     "oh_us", "oh_spec_us", "oh_req_us",
     "off_verify", "off_extend", "v0_fix_us", "v0_seq_us",
     "pf_attn_us_per_tok", "pf_scale", "verify_seq_us", "admit_us", "admit_seq_us", "admit_hide",
-    "verify_ctx_us_per_tok", "ext_wave_seqs", "dec_walk_us_per_tok",
+    "verify_ctx_us_per_tok", "ext_wave_seqs", "dec_walk_us_per_tok", "pf_pair_us",
 )  # fmt: skip
 (
     I_T_FIX, I_W, I_F, I_P, I_TOK, I_LAYERS,
@@ -258,8 +271,8 @@ STEP_COEFFS = (
     I_OH, I_OH_SPEC, I_OH_REQ,
     I_OFF_VERIFY, I_OFF_EXTEND, I_V0_FIX, I_V0_SEQ,
     I_PF_ATTN, I_PF_SCALE, I_VER_SEQ, I_ADMIT, I_ADMIT_SEQ, I_ADMIT_HIDE,
-    I_VER_CTX, I_EXT_WAVE, I_DEC_WALK,
-) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42)  # fmt: skip
+    I_VER_CTX, I_EXT_WAVE, I_DEC_WALK, I_PF_PAIR,
+) = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 17, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43)  # fmt: skip
 I_SPLIT_Q = I_SPLIT + 4
 
 _COEFF_CACHE: dict[int, tuple[LatencyParams, np.ndarray]] = {}
@@ -361,13 +374,16 @@ def _draft_pass(c: np.ndarray, b: float, q: float, ctx_tokens: float, fc: bool) 
 
 
 @maybe_njit
-def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float, b: float) -> float:
-    """``t`` plus the prefill of ``prefill_tokens`` prompt tokens (none: ``t``): one chunked pass,
-    and the admission's own cost with ``b`` requests running."""
+def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float, prefill_pairs: float, b: float) -> float:
+    """``t`` plus the prefill of ``prefill_tokens`` prompt tokens (none: ``t``): one chunked pass
+    whose attention covers ``prefill_pairs`` token pairs (module docstring), and the admission's
+    own cost with ``b`` requests running."""
     if prefill_tokens > 0:
         pf = float(prefill_tokens)
         t += c[I_T_FIX] + c[I_PF_SCALE] * (_gemm_kernel(c[I_W], c[I_F], c[I_P], pf) + c[I_TOK] * pf)
         t += c[I_LAYERS] * c[I_DEC] + c[I_PF_ATTN] * pf
+        if c[I_PF_PAIR] != 0.0:  # exactly t without it (every deployment that does not declare it)
+            t += c[I_LAYERS] * c[I_PF_PAIR] * prefill_pairs
         t += c[I_ADMIT] + c[I_ADMIT_SEQ] * b  # exactly t when both are 0 (the bundled deployments)
     return t
 
@@ -399,14 +415,17 @@ def _extend_seq(c: np.ndarray, b: float, ctx_tokens: float) -> float:
 
 
 @maybe_njit
-def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float) -> float:
-    """One engine step at ``depth`` (module docstring), µs, over :func:`step_coeffs` ``c``.
+def step_time_kernel(
+    c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float, prefill_pairs: float
+) -> float:
+    """One engine step at ``depth`` (module docstring), µs, over :func:`step_coeffs` ``c``;
+    ``prefill_pairs`` as :func:`prefill_pairs` counts them for the step's admissions.
 
     Compiled when numba is installed, and callable from other kernels of this module.
     """
     b = float(bs)
     t0 = c[I_OH] + c[I_OH_REQ] * b
-    t = _with_prefill(c, t0, prefill_tokens, b)
+    t = _with_prefill(c, t0, prefill_tokens, prefill_pairs, b)
     pf = t - t0  # the prefill pass and the admission's own cost (0 without a prefill)
     if depth > 0:
         q = depth + 1.0
@@ -431,12 +450,12 @@ def step_time_kernel(c: np.ndarray, bs: int, depth: int, ctx_tokens: float, pref
 
 @maybe_njit
 def step_times_kernel(
-    c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float
+    c: np.ndarray, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float, prefill_pairs: float
 ) -> tuple[float, float]:
     """:func:`step_time_kernel` at ``depth`` and at depth 0 for the same batch, in one call
     (the simulator's step needs both: the reward compares them)."""
-    t = step_time_kernel(c, bs, depth, ctx_tokens, prefill_tokens)
-    return t, (t if depth == 0 else step_time_kernel(c, bs, 0, ctx_tokens, prefill_tokens))
+    t = step_time_kernel(c, bs, depth, ctx_tokens, prefill_tokens, prefill_pairs)
+    return t, (t if depth == 0 else step_time_kernel(c, bs, 0, ctx_tokens, prefill_tokens, prefill_pairs))
 
 
 @maybe_njit
@@ -446,10 +465,11 @@ def _step_time_array(
     depth: np.ndarray,
     ctx_tokens: np.ndarray,
     prefill_tokens: np.ndarray,
+    prefill_pairs: np.ndarray,
     out: np.ndarray,
 ) -> None:
     for i in range(len(out)):
-        out[i] = step_time_kernel(c, int(bs[i]), int(depth[i]), ctx_tokens[i], prefill_tokens[i])
+        out[i] = step_time_kernel(c, int(bs[i]), int(depth[i]), ctx_tokens[i], prefill_tokens[i], prefill_pairs[i])
 
 
 _COMPONENT_CODE = {name: i for i, name in enumerate(KNOWN_COMPONENTS)}
@@ -532,26 +552,43 @@ def draft_us(lp: LatencyParams, batch, q, ctx_tokens, fc: bool = False) -> np.nd
     return _component_us(step_coeffs(lp), comp, batch, q, _per_seq(batch, ctx_tokens))
 
 
+def prefill_pairs(new_tokens: Any, cached_tokens: Any = 0.0) -> Any:
+    """The token pairs one prompt's prefill attends (module docstring): each of its
+    ``new_tokens`` to the ``cached_tokens`` before it and to itself and the new ones before it
+    (none without new tokens). Scalars or numpy arrays."""
+    return new_tokens * (cached_tokens + (new_tokens + 1.0) / 2.0)
+
+
 def step_time_us(
-    lp: LatencyParams, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float = 0.0
+    lp: LatencyParams, bs: int, depth: int, ctx_tokens: float, prefill_tokens: float = 0.0, pairs: float | None = None
 ) -> float:
-    """Expected wall time of one engine step (decode/verify at ``depth`` plus prefill), µs."""
-    return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens)
+    """Expected wall time of one engine step (decode/verify at ``depth`` plus prefill), µs;
+    ``pairs``: the prefill's token pairs (:func:`prefill_pairs`; None: one prompt, nothing cached)."""
+    if pairs is None:
+        pairs = prefill_pairs(float(prefill_tokens))
+    return step_time_kernel(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens, pairs)
 
 
-def prefill_us(lp: LatencyParams, prefill_tokens: float, bs: int = 0) -> float:
-    """Time of prefilling ``prefill_tokens`` prompt tokens between two decode steps of ``bs``
-    running requests (the admission's cost included), µs."""
-    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens, float(bs))
+def prefill_us(lp: LatencyParams, prefill_tokens: float, bs: int = 0, cached_tokens: float = 0.0) -> float:
+    """Time of prefilling one prompt's ``prefill_tokens`` after ``cached_tokens`` found in the
+    cache, between two decode steps of ``bs`` running requests (the admission's cost included), µs."""
+    pairs = prefill_pairs(prefill_tokens, cached_tokens)
+    return _with_prefill(step_coeffs(lp), 0.0, prefill_tokens, pairs, float(bs))
 
 
-def step_times_us(lp: LatencyParams, bs: Any, depth: Any, ctx_tokens: Any, prefill_tokens: Any) -> np.ndarray:
-    """:func:`step_time_us` of every step of arrays of steps (for fitting to traces)."""
-    bs, depth, ctx_tokens, prefill_tokens = (
-        np.ascontiguousarray(x, dtype=np.float64) for x in (bs, depth, ctx_tokens, prefill_tokens)
+def step_times_us(
+    lp: LatencyParams, bs: Any, depth: Any, ctx_tokens: Any, prefill_tokens: Any, pairs: Any = None
+) -> np.ndarray:
+    """:func:`step_time_us` of every step of arrays of steps (for fitting to traces). Records
+    carry a step's prefilled tokens, not its prompts: ``pairs`` None prices each step's prefill
+    as one prompt with nothing cached (exact for one, high for several at once)."""
+    if pairs is None:
+        pairs = prefill_pairs(np.asarray(prefill_tokens, dtype=np.float64))
+    bs, depth, ctx_tokens, prefill_tokens, pairs = (
+        np.ascontiguousarray(x, dtype=np.float64) for x in (bs, depth, ctx_tokens, prefill_tokens, pairs)
     )
     out = np.empty(len(bs), dtype=np.float64)
-    _step_time_array(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens, out)
+    _step_time_array(step_coeffs(lp), bs, depth, ctx_tokens, prefill_tokens, pairs, out)
     return out
 
 

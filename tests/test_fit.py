@@ -297,6 +297,7 @@ def _composed_step_us(lp, bs: int, depth: int, ctx_tokens: float, prefill_tokens
         p = float(prefill_tokens)
         pf = lp.t_fix_us + lp.pf_scale * (gemm_us(lp, p) + lp.tok_us_per_tok * p) + lp.layers * lp.dec_fix_us
         pf += lp.pf_attn_us_per_tok * p + lp.admit_us + lp.admit_seq_us * bs
+        pf += lp.layers * lp.pf_pair_us * p * (p + 1.0) / 2.0  # one prompt, nothing cached: quadratic in it
     wave = bs / (1.0 + (bs / lp.ext_wave_seqs) ** lp.wave_sharpness) ** (1.0 / lp.wave_sharpness)
     ver = lp.verify_seq_us * bs + lp.verify_ctx_us_per_tok * ctx_tokens / wave  # SGLang's extend kernel
     ext = ver * lp.d_layers / lp.layers  # the draft extend's share
@@ -470,8 +471,8 @@ def test_an_admission_cost_split_over_two_records_is_recovered(tmp_path):
 
 def test_the_simulator_prices_an_admitting_step_as_the_fit_reads_it():
     """One formula for an admission: the engine's step that admits requests costs
-    ``step_time_us`` of its own record's fields (what ``fit_admission`` and ``step_mape`` evaluate),
-    admission terms included; and ``fit_admission`` on the simulator's own records recovers the
+    ``step_time_us`` of its own record's fields (what ``fit_admission`` and ``step_mape`` evaluate)
+    and its prompts' attention pairs, admission terms included; and ``fit_admission`` on the simulator's own records recovers the
     terms it ran with (it charges the whole admission to the record that counts the prefill, so
     the pair's excess is that record's)."""
     from env.engine import Engine
@@ -490,7 +491,8 @@ def test_the_simulator_prices_an_admitting_step_as_the_fit_reads_it():
             steps.append(rec)
             if rec.prefill_tokens > 0:
                 seen += 1
-                want = step_time_us(lat, rec.bs, rec.depth, rec.ctx_tokens, rec.prefill_tokens)
+                # the record's fields and the prompts' attention pairs, which only the engine knows
+                want = step_time_us(lat, rec.bs, rec.depth, rec.ctx_tokens, rec.prefill_tokens, eng.last_pairs)
                 assert eng.last_model_us == want  # the same kernel, the same float
                 assert eng.last_busy_us == int(want)  # no jitter: the record's busy time
         assert seen >= 10
