@@ -358,3 +358,29 @@ def test_train_on_featurizer_version_7_writes_a_zip_served_with_it(tmp_path):
     p = feat.accept_prob(1)
     feat.update(rec(2, 3, [0, 0, 0, 0]))
     assert feat.accept_prob(1) > p - 0.01
+
+
+@pytest.mark.parametrize("name", ["h200-llama8b", "h200-llama8b-longctx"])
+def test_the_capacity_probe_reads_the_steady_state_not_the_fill(name):
+    """The open-loop loads are sized by ``capacity_req_s``. A fixed 20 s probe measured the fill
+    (every slot's prompt prefilled at once) and read the long-context deployment at 0.01
+    requests/s once a prompt's attention was priced. The probe's rate agrees with the rate a run
+    twice as long keeps over its second half, at depth 0 with every slot busy."""
+    from agents.evaluate import _build_policy, capacity_req_s
+    from env.deployments import load_deployment
+    from env.runner import simulate
+
+    params = load_deployment(name)
+    depths = (0, 1, 2, 3, 5)
+    cap = capacity_req_s(params, depths)
+    c = params.engine.max_running_requests
+    res = simulate(params, f"closed:{c}@n={6 * c}", _build_policy("static:0", depths, params), depths=depths,
+                   seed=1, n_requests=6 * c)  # fmt: skip
+    done = sorted(r.finish_us for r in res.completed)
+    half = len(done) // 2
+    steady = (len(done) - 1 - half) / ((done[-1] - done[half]) / 1e6)
+    assert cap == pytest.approx(steady, rel=0.15)
+    # the fill alone: what the first 20 s completed, far below it for long prompts
+    early = sum(1 for t in done if t <= 20e6) / 20.0
+    if name.endswith("longctx"):
+        assert early < 0.5 * cap
