@@ -194,3 +194,62 @@ def test_the_long_context_and_70b_deployments_differ_where_they_should(h200):
         return step_time_us(lp, b, 3, b * 1024.0) / step_time_us(lp, b, 0, b * 1024.0)
     assert ratio(big.latency, 128) > ratio(h200.latency, 128)
     assert big.engine.kv_bytes_per_token == 80 * 8 * 128 * 2 * 2
+
+
+def test_a_cold_32k_prompt_prefills_in_the_measured_time_and_its_attention_grows_with_its_square(h200):
+    """Call AQ's time to first token put one cold 32k prompt at 2.63 s on the H100 testbed; the
+    H200 deployments price it so (``pf_pair_us``), and the attention part of a prefill grows with
+    the square of the prompt: four times at twice the length, where the GEMMs only double."""
+    from env.deployments.build import PREFILL_32K_US
+    from env.latency import prefill_us
+
+    lp = h200.latency
+    assert lp.pf_pair_us > 0.0
+    assert prefill_us(lp, 32768) == pytest.approx(PREFILL_32K_US, rel=1e-9)
+    flat = replace(lp, pf_pair_us=0.0)
+    attn = {n: prefill_us(lp, n) - prefill_us(flat, n) for n in (8192, 16384)}
+    assert attn[16384] / attn[8192] == pytest.approx(4.0, rel=0.01)
+    # A prompt whose first 16k tokens are cached attends to them: its 16k new tokens cost more
+    # attention than a 16k prompt alone, and less than the whole 32k prompt.
+    cached = prefill_us(lp, 16384, cached_tokens=16384) - prefill_us(flat, 16384)
+    assert attn[16384] < cached < prefill_us(lp, 32768) - prefill_us(flat, 32768)
+
+
+def test_the_engine_charges_each_admitted_prompt_its_attention():
+    """The engine counts the pairs of each prompt it admits (not of the step's sum of tokens):
+    eight 4k prompts admitted in one step cost the attention of eight 4k prompts, an eighth of
+    one 32k prompt's."""
+    from env.latency import prefill_pairs
+
+    base = load_deployment("h200-llama8b")
+    params = replace(base, engine=replace(base.engine, chunked_prefill_tokens=32768, prefix_cache_hit=0.0))
+    seen = {}
+    for c, prompt in ((8, 4096), (1, 32768)):
+        eng = Engine(params, f"closed:{c}@prompt={prompt},output=4,n={c}")
+        eng.reset(0)
+        rec = eng.step(0)
+        assert rec.prefill_tokens == c * prompt and rec.bs == c
+        seen[c] = eng.last_pairs
+        assert eng.last_pairs == pytest.approx(c * prefill_pairs(prompt))
+        want = step_time_us(params.latency, rec.bs, 0, rec.ctx_tokens, rec.prefill_tokens, c * prefill_pairs(prompt))
+        assert eng.last_model_us == want
+    assert seen[1] / seen[8] == pytest.approx(8.0, rel=0.01)
+
+
+def test_a_fit_never_puts_the_compute_term_below_its_declared_floor(h200):
+    """Decode steps whose GEMM is bound by the weight read hardly constrain ``f_us_per_tok``: a
+    fit to them took it to 0.50 µs in call AQ (29 PFLOP/s, which prices a 32k prefill 24x short).
+    The fit keeps it at or above ``f_floor_us_per_tok``. Checked where the steps ask for less: a
+    world computing at 60 µs a token, compute-bound at batch 64, with a floor declared at 100."""
+    from env.fit import fit_step_latency
+
+    truth = replace(h200.latency, f_us_per_tok=60.0, jitter=0.0)
+    eng = Engine(replace(h200, latency=truth), "closed:64@prompt=256,output=32,n=192")
+    eng.reset(0)
+    steps = []
+    while not eng.done:
+        steps.append(eng.step(3))
+    free = fit_step_latency(replace(truth, f_floor_us_per_tok=0.0), steps)
+    floored = fit_step_latency(replace(truth, f_floor_us_per_tok=100.0), steps)
+    assert free.f_us_per_tok == pytest.approx(60.0, rel=0.1)
+    assert floored.f_us_per_tok >= 100.0 * (1.0 - 1e-9)

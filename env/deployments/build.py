@@ -38,7 +38,15 @@ from env.acceptance import (
     harmonic_accept_length,
     mean_accept_length,
 )
-from env.latency import OFF_EXTEND, LatencyParams, fit_profile, read_profile, step_time_us
+from env.latency import (
+    OFF_EXTEND,
+    LatencyParams,
+    fit_profile,
+    prefill_pairs,
+    prefill_us,
+    read_profile,
+    step_time_us,
+)
 from env.params import EngineParams, SimParams
 from env.workload import WorkloadParams
 
@@ -116,6 +124,12 @@ W_FLOOR_US_8B = 15.01e9 / 4.24e12 * 1e6
 # FLOPs per token of the 8B (2 x 8.03e9) at the H200's dense bf16 peak (989 TFLOP/s): no token
 # is computed faster.
 F_FLOOR_US_8B = 2 * 8.03e9 / 989e12 * 1e6
+# One cold 32,768-token prompt's prefill on the H100 testbed (SGLang 0.5.17, triton, chunks of
+# 8,192): call AQ's eight such prompts at C = 8 were prefilled one after another, at a mean time
+# to first token of 11.857 s = (1 + ... + 8) / 8 = 4.5 prefills (static:0's point,
+# bench/results/realgpu/h100/longctx/points-aq.json). A prefill this long is compute-bound and the
+# H200 has the H100's compute, so it prices the H200's prompts' attention too (pf_pair_us).
+PREFILL_32K_US = 11.857e6 / 4.5
 # The pass terms the fit to the server scales, one factor per class (the profile's shape kept
 # within a class). Not scaled: the per-cached-token terms (every traced step holds about 320
 # tokens per sequence, so the traces cannot tell them from the per-sequence ones; the profile's
@@ -212,7 +226,15 @@ def h200_latency(reference: Path, traces: tuple[Path, ...] = REAL_TRACES) -> Lat
     lp, _ = fit_profile(df, base)
     # Fitted to the server that ran depth 0 with the drafter's extend kept; priced for the
     # hook's default since, which stores only the drafter's keys and values (kv).
-    return replace(_verify0_from_ratios(fit_to_server(lp, traces)), off_extend=OFF_EXTEND["kv"])
+    lp = replace(_verify0_from_ratios(fit_to_server(lp, traces)), off_extend=OFF_EXTEND["kv"])
+    return with_prefill_attention(replace(lp, f_floor_us_per_tok=F_FLOOR_US_8B))
+
+
+def with_prefill_attention(lp: LatencyParams, prompt: int = 32768, measured_us: float = PREFILL_32K_US) -> LatencyParams:
+    """``lp`` with ``pf_pair_us`` set so that one cold ``prompt`` prefills in ``measured_us``:
+    what the pass terms do not price of it is its attention, quadratic in its length."""
+    rest = measured_us - prefill_us(replace(lp, pf_pair_us=0.0), prompt)
+    return replace(lp, pf_pair_us=max(rest, 0.0) / (lp.layers * prefill_pairs(prompt)))
 
 
 def _h200_engine(instance: str, budget: int, running: int = 256) -> EngineParams:
@@ -241,7 +263,9 @@ _H200_NOTES = (
     "drafter's extend kept and priced as the hook's default, kv: off_extend 0.1 of that extend "
     "(env.latency.OFF_EXTEND); v0_fix_us/v0_seq_us (SGLang's own depth 0, off_path verify) solved so that path runs at "
     "0.72/0.71/0.59/0.41/0.40 x a plain server at C = 1/4/16/64/128 (bench/results/realgpu/offswitch, call 1). "
-    "Prefill: the profile's terms, not fitted to the server. "
+    "Prefill: the profile's terms, not fitted to the server, and a prompt's attention quadratic in its length "
+    "(pf_pair_us) set so that one cold 32k-token prompt prefills in 2.63 s, as on the H100 testbed (call AQ's "
+    "time to first token); fits to traces keep f_us_per_tok at or above the 989 TFLOP/s peak (f_floor_us_per_tok). "
     "KV: 128 KB/token target, the drafter's 4 KB/token and 1.04 GB of weights carried (spec_kv_budget_tokens). "
     "Acceptance: the published Llama-3.1-8B + EAGLE-3 MT-Bench conditionals 0.73/0.71/0.68, code_shift for "
     "3.45 tokens at k = 7 (code/math), falling with context to 2.30 tokens at 2k and 1.08 at 20k (k = 3) "
@@ -295,8 +319,8 @@ def build_h200_longctx(reference: Path, h200: SimParams | None = None) -> SimPar
             "SGLang's verify cost per request (verify_seq_us) was measured at ~320 tokens per sequence and is "
             "held constant: triton's extend kernel reads the prefix serially per request, so at 16k it is likely "
             "larger (under-priced speculation cost, not measured); "
-            "prefill attention is linear in the prompt (pf_attn_us_per_tok), so 16k-token prefills are "
-            "under-priced by their quadratic attention (about 0.1 s per 16k prompt on this GPU)."
+            "a prompt's prefill attention is quadratic in its length (pf_pair_us, from one cold 32k prompt's "
+            "2.63 s on the H100 testbed, call AQ: about 0.5 s of attention per 16k prompt)."
         ),
     )
 
@@ -333,6 +357,9 @@ def build_h200_70b(reference: Path, h200: SimParams | None = None) -> SimParams:
         d_tok_us_per_tok=lp.d_tok_us_per_tok * 2.0,
         # SGLang's verify runs a query tile per (request, query head, layer): 64 heads x 80 layers.
         verify_seq_us=lp.verify_seq_us * layer_ratio * 64 / 32,
+        # A prompt's attention per token pair and layer: its FLOPs go with the query heads (64 / 32).
+        pf_pair_us=lp.pf_pair_us * 64 / 32,
+        f_floor_us_per_tok=2 * PARAMS_70B / (2 * 989e12) * 1e6,  # FP8 at twice the bf16 peak
         rel_se=lp.rel_se,
     )
     # KV pool: 141 GB x 0.9 - 70.6 GB of FP8 weights - ~5 GB activations/graphs = 51 GB of 320 KB.
@@ -357,7 +384,8 @@ def build_h200_70b(reference: Path, h200: SimParams | None = None) -> SimParams:
             "token (8.8x) / 2 (FP8 at twice the bf16 rate, the 8B's achieved fraction kept), tok_us_per_tok x "
             "layers x hidden (5x), t_fix_us x layers (2.5x), attention per layer unchanged (the same 8 KV "
             "heads of 128: 4 KB per token per layer) over 80 layers; draft terms x its bytes (3.1x), fc x 4; "
-            "SGLang's verify cost per request x query heads x layers (5x). "
+            "SGLang's verify cost per request x query heads x layers (5x); a prompt's attention per token pair "
+            "x query heads (2x) over 80 layers. "
             f"Decode turns compute-bound near {lat.w_us / lat.f_us_per_tok:.0f} tokens per pass (8B: "
             f"{lp.w_us / lp.f_us_per_tok:.0f}). KV pool 141 GB x 0.9 - 70.6 - ~5 GB = "
             f"51 GB = {budget} tokens of 320 KB, less the drafter's memory. Overheads, depth-0 paths and "
