@@ -81,7 +81,7 @@ Prefill of ``P`` prompt tokens between two decode steps adds
 one pass), with ``A = Σ n·(c + (n + 1)/2)`` over the admitted prompts (``n`` tokens prefilled
 after ``c`` cached): each new token attends to the prefix and to the prompt before it, so a
 prompt's attention is quadratic in its length. On the H100 testbed a cold 32k prompt took about
-2.64 s (call AQ's time to first token), where its GEMMs at the device's peak take under 0.5 s;
+2.63 s (call AQ's time to first token), where its GEMMs at the device's peak take under 0.5 s;
 ``pf_pair`` (per token pair per layer) carries the rest and is 0 (none) unless declared. The
 fit to traces never sees it (the hook records decode steps; a prompt prefilled while nothing
 decodes leaves no record), nor does it see ``f`` where every step's GEMM is bound by the weight
