@@ -167,16 +167,13 @@ def fit_context_fall(steps: list[Step], ap: AcceptanceParams) -> tuple[Acceptanc
     the base's fall makes the fit read every long-context step as a worse request and widen the
     population to match (call AQ's records: logit sigma 9.8 and no zero part, where the short
     steps alone give 0.35 and a third at zero, the testbed's three families). Where the drafted
-    entries' contexts spread past ``ctx_ref_tokens`` (their e-folds past it, 90th percentile
-    against 10th, differ by ``ln`` :data:`CTX_SPREAD` or more; else a fall is one shift that
-    ``alpha`` absorbs), each fall of :data:`CTX_FALL_GRID` (and the base's) is fitted
+    entries' contexts spread past ``ctx_ref_tokens`` (:func:`_spread` of their context over it,
+    floored at 1; else a fall is one shift that ``alpha`` absorbs), each fall of :data:`CTX_FALL_GRID` (and the base's) is fitted
     (:func:`fit_acceptance`) and the most likely one kept; ``ctx_ref_tokens`` stays the base's.
     """
     drafted = [s for s in steps if s.depth > 0 and s.accept]
     per_seq = np.array([s.ctx_tokens / max(s.bs, 1) for s in drafted])
-    # e-folds past ctx_ref_tokens: where they hardly differ, a fall is one shift that alpha absorbs
-    past = np.log(np.maximum(per_seq / ap.ctx_ref_tokens, 1.0))
-    if ap.ctx_ref_tokens >= 1e9 or len(past) < 50 or np.ptp(np.percentile(past, [10, 90])) < math.log(CTX_SPREAD):
+    if ap.ctx_ref_tokens >= 1e9 or len(drafted) < 50 or not _spread(np.maximum(per_seq / ap.ctx_ref_tokens, 1.0)):
         return ap, ""
     nll: dict[float, float] = {}
     for fall in sorted(set(CTX_FALL_GRID) | {ap.ctx_logit}):
