@@ -612,6 +612,33 @@ def test_each_call_is_replayed_with_its_own_arguments(tmp_path: Path, capsys) ->
     assert "once per CSV (2); got 3" in capsys.readouterr().err
 
 
+def test_a_cold_point_finds_what_the_calls_earlier_points_left_in_the_cache(tmp_path: Path) -> None:
+    """realgpu_sim.carried_hits against call AS's own records (H100, every long prompt sent
+    cold): each lone prompt's prefilled tokens, as its server reported them, say how much of
+    it the radix cache held (a 32k prompt after the 16k point: half). The model must find the
+    same from the call's point order alone; with a cache too small to keep a prompt, nothing."""
+    import realgpu_sim
+
+    from controller.traces import load_traces
+
+    folder = ROOT / "bench" / "results" / "realgpu" / "h100" / "longctx"
+    call = realgpu_sim.call_args(folder / "points-as.json")
+    hits = realgpu_sim.carried_hits(call, int(call.requests_per_conc), 0.99)
+    with tarfile.open(folder / "traces-as.tar") as tar:
+        tar.extractall(tmp_path, filter="data")
+    steps = load_traces(tmp_path / "traces").sort_values(["file", "ts_ns"])
+    lone = steps[(steps.bs == 1) & (steps.prefill_tokens >= 1000)]
+    compared = 0
+    for (_, depth), rows in lone.groupby(["file", "depth"]):
+        for length, prefilled in zip(call.long_input, rows.prefill_tokens):  # the lengths in their order
+            measured = 1.0 - int(prefilled) / length
+            assert abs(hits[(f"long-mix-{length}-128", f"static:{depth}", 1, 1)] - measured) < 0.001
+            compared += 1
+    assert compared == 8 and hits[("long-mix-32768-128", "static:0", 1, 1)] == pytest.approx(0.5)
+    call.max_total_tokens = 4096  # every earlier prompt evicted before the next length runs
+    assert not any(realgpu_sim.carried_hits(call, int(call.requests_per_conc), 0.99).values())
+
+
 def test_the_replay_runs_plain_and_sglangs_rule_as_their_servers_run() -> None:
     """The servers of their own replay as they run: ``plain`` with no drafter at all (faster
     than the hook server's depth 0, which stores the drafter's keys and values); SGLang's rule

@@ -8,7 +8,8 @@ For every closed and long point (policy, C) of the CSVs, the same benchmark in t
 servers of their own, ``plain`` and SGLang's rule, as :data:`SERVER_SIMS` says): closed loop
 at C, max(4, R·C) requests (what ``realgpu.py --requests-per-conc R`` sends; give the call's
 R; a long point, C requests of its prompt length), the policy deciding one step late, throughput = output tokens /
-wall time of the whole run, mean over ``--seeds`` (the engine's acceptance draws) and over the
+wall time of the whole run, mean over ``--seeds`` (the engine's acceptance draws; more for a point
+of few requests, :func:`draws_for`) and over the
 point's repetitions. With ``--draws exact`` (the default) each repetition replays the requests
 the call sent in it (``realgpu.point_seed``): their output lengths, and their families, a
 family whose drafter accepts under 10% a position (``docs``) as the fit's zero-acceptance
@@ -114,11 +115,20 @@ def measured_open(paths: list[Path]) -> dict[tuple[str, str], dict[int, tuple[fl
 
 
 def call_args(path: Path | None) -> argparse.Namespace:
-    """The call's ``realgpu.py`` arguments: from its point file, else the script's defaults."""
+    """The call's ``realgpu.py`` arguments: from its point file, else the script's defaults;
+    ``run_order``: the call's closed and long points as they ran, (server, workload, policy, C,
+    repetition) (empty without a point file)."""
     args = realgpu.build_parser().parse_args([])
+    args.run_order = []
     if path is not None:
-        for k, v in json.loads(path.read_text()).get("args", {}).items():
+        data = json.loads(path.read_text())
+        for k, v in data.get("args", {}).items():
             setattr(args, k, v)
+        args.run_order = [
+            (pt.get("server", ""), pt["workload"], pt["policy"], int(pt["concurrency"]), int(pt["rep"]))
+            for pt in data.get("points", [])
+            if pt["workload"].startswith(("closed", "long"))
+        ]
     return args
 
 
@@ -140,6 +150,60 @@ def point_hit(workload: str, c: int, per_conc: int, call: argparse.Namespace, pr
     load = point_load(workload, c, 1, per_conc, call.mix)
     cached = realgpu.prewarmed(load.n_requests, load.input_tokens, call.max_total_tokens, call.prewarm)
     return prefix_hit if cached else 0.0
+
+
+def carried_hits(call: argparse.Namespace, per_conc: int, prefix_hit: float) -> dict[tuple[str, str, int, int], float]:
+    """(workload, policy, C, repetition) → the point's prefix-cache hit, for the points of
+    ``call.run_order``: ``prefix_hit`` where ``realgpu.py`` sent its prompts before timing it,
+    else the share of its prompt tokens that its server's radix cache still held from the
+    call's earlier points. ``loadgen`` draws a point's prompts one after another from one
+    stream seeded by (repetition, C), so the same point under the next policy sends the same
+    prompts, and the first prompt of a long point is the first prompt of the same C's shorter
+    lengths with more tokens after it: on an H100 (call AS) a lone 32k prompt run cold after the
+    16k point found 16,384 of its tokens cached. The cache is modelled per server as whole
+    requests, each holding its prompt and output tokens past the longest prefix it found
+    cached (a radix tree stores a shared prefix once), evicted least recently used beyond
+    ``--max-total-tokens``; the warm-up's requests (seeds of their own) are left out, so it
+    errs towards hits."""
+    from collections import OrderedDict
+
+    cap = int(call.max_total_tokens)
+    # per server: (workload, C, repetition, request) → (prompt tokens, KV tokens it holds)
+    caches: dict[str, OrderedDict[tuple[str, int, int, int], tuple[np.ndarray, int]]] = defaultdict(OrderedDict)
+    prompts_of: dict[tuple[str, int, int], list[np.ndarray]] = {}
+    hits: dict[tuple[str, str, int, int], float] = {}
+    for server, workload, policy, c, rep in call.run_order:
+        load = point_load(workload, c, rep, per_conc, call.mix)
+        key = (workload, c, rep)
+        if key not in prompts_of:  # every policy of a repetition sends the same prompts
+            prompts_of[key] = [np.asarray(p, dtype=np.int64) for p in loadgen.prompts(load)]
+        prompts = prompts_of[key]
+        cache = caches[server]
+        common = []  # each prompt's longest prefix already cached
+        for p in prompts:
+            best, used = 0, None
+            for ident, (q, _) in cache.items():
+                n = min(len(p), len(q))
+                differ = np.flatnonzero(p[:n] != q[:n])
+                same = n if differ.size == 0 else int(differ[0])
+                if same > best:
+                    best, used = same, ident
+            if used is not None:
+                cache.move_to_end(used)
+            common.append(best)
+        if realgpu.prewarmed(load.n_requests, load.input_tokens, cap, call.prewarm):
+            hits[(workload, policy, c, rep)] = prefix_hit
+        else:
+            hits[(workload, policy, c, rep)] = sum(common) / max(1, sum(len(p) for p in prompts))
+        # A radix tree holds a shared prefix once: each request adds the tokens past it.
+        for i, (p, out, same) in enumerate(zip(prompts, loadgen.output_lengths(load), common)):
+            if (*key, i) not in cache:  # (the same request again is already there)
+                cache[(*key, i)] = (p, len(p) + out - same)
+            cache.move_to_end((*key, i))
+        total = sum(size for _, size in cache.values())
+        while cache and total > cap:
+            total -= cache.popitem(last=False)[1][1]
+    return hits
 
 
 def write_requests(spec: loadgen.LoadSpec, path: Path) -> Path:
@@ -281,6 +345,19 @@ policy's decision changes three steps later, 3-4% two steps later (``decision_de
 calls S and X's traces). The simulator's default is 1."""
 
 
+MIN_REQUEST_DRAWS = 32
+"""A closed or long point is replayed over at least this many requests' acceptance draws
+(:func:`draws_for`). A point of one request measures that request's acceptance: at C = 1 at
+4k-32k tokens, two seeds put the drafted points 7-23% above the H100 calls AQ and AS, sixteen
+within -15% to +1%, with the step times priced within 1% there."""
+
+
+def draws_for(seeds: int, n_requests: int) -> int:
+    """The seeds a point of ``n_requests`` requests is simulated with: ``seeds``, or more, so
+    that the mean is over at least :data:`MIN_REQUEST_DRAWS` requests' acceptance."""
+    return max(seeds, -(-MIN_REQUEST_DRAWS // max(1, n_requests)))
+
+
 def replay(
     params: Any,
     points: dict[tuple[str, str, int], dict[int, float]],
@@ -302,6 +379,7 @@ def replay(
     params = at_cap(params, call)
     if exact:
         params = at_share(params, call)
+    carried = carried_hits(call, per_conc, prefix_hit)
     out: list[tuple[str, int, list[float], float | None]] = []
     with tempfile.TemporaryDirectory(prefix="realgpu-sim-") as tmp:
         for (workload, policy, c), reps in sorted(points.items()):
@@ -310,17 +388,19 @@ def replay(
             if factory is None:
                 out.append((label, c, list(reps.values()), None))
                 continue
-            point = point_params(params, point_hit(workload, c, per_conc, call, prefix_hit), server)
-            if exact:  # the requests each repetition sent
+            default_hit = point_hit(workload, c, per_conc, call, prefix_hit)
+            hits = [carried.get((workload, policy, c, r), default_hit) for r in sorted(reps)]
+            if exact:  # the requests each repetition sent, into the cache it found
                 loads = [point_load(workload, c, r, per_conc, call.mix) for r in sorted(reps)]
                 files = [write_requests(ld, Path(tmp) / f"{c}-{ld.seed}.csv") for ld in loads]
-                specs = [f"closed:{c}@requests={f}" for f in files]
+                runs = [(point_params(params, h, server), f"closed:{c}@requests={f}") for h, f in zip(hits, files)]
             else:
-                specs = [sim_workload(workload, c, per_conc)]
+                runs = [(point_params(params, float(np.mean(hits)), server), sim_workload(workload, c, per_conc))]
+            n_requests = point_load(workload, c, 1, per_conc, call.mix).n_requests
             sims = [
                 simulate(point, wl, factory(depths), depths=depths, seed=seed, action_delay=action_delay).throughput_tok_s
-                for wl in specs
-                for seed in range(seeds)
+                for point, wl in runs
+                for seed in range(draws_for(seeds, n_requests))
             ]
             out.append((label, c, [reps[r] for r in sorted(reps)], float(np.mean(sims))))
     return out
