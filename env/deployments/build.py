@@ -128,9 +128,9 @@ F_FLOOR_US_8B = 2 * 8.03e9 / 989e12 * 1e6
 # 8,192): call AQ's eight such prompts at C = 8 were prefilled one after another, at a mean time
 # to first token of 11.857 s = (1 + ... + 8) / 8 = 4.5 prefills (static:0's point,
 # bench/results/realgpu/h100/longctx/points-aq.json). A prefill this long is compute-bound and the
-# H200 has the H100's compute, so it prices the H200's prompts' attention too (pf_pair_us). A lone
-# cold 32k prompt took about 2.0 s (calls AS and AT, the same README): this queued figure
-# over-prices lone prompts by 22-48% at 8k-32k, and a lone-prompt figure would under-price AQ's.
+# H200 has the H100's compute, so it prices the H200's prompts' attention too (pf_pair_us). Held
+# out (calls AS and AT, the same README): seven uncached 32k prompts in a row took 2.65 s each,
+# and lone prompts of 2k-32k, priced with the prefix their records show cached, within -12%..+3%.
 PREFILL_32K_US = 11.857e6 / 4.5
 # The pass terms the fit to the server scales, one factor per class (the profile's shape kept
 # within a class). Not scaled: the per-cached-token terms (every traced step holds about 320
