@@ -45,8 +45,7 @@ One engine step at depth ``k`` (SGLang EAGLE-3, chain drafts, ``topk = 1``)::
     k = 0, off_path "plain":   oh + oh_req·B + target(B, 1, C) + off_extend·(draft(B, 1, C) + ext)
     k = 0, off_path "verify":  oh + oh_req·B + oh_spec + target(B, 1, C) + ver + v0_fix + v0_seq·B
                                + draft(B, 1, C) + ext
-    ver = verify_seq_us·B + verify_ctx_us_per_tok·C / Bx,  ext = ver · d_layers / layers
-    Bx  = B / (1 + (B / ext_wave_seqs)^s)^(1/s)          the requests of one wave of the extend kernel
+    ver = verify_seq_us·B + verify_ctx_us_per_tok·(C / B)·⌈B / ext_wave_seqs⌉,  ext = ver · d_layers / layers
 
 ``ver`` is SGLang's own cost of a pass through its extend-attention kernel (the triton backend
 verifies that way: one 128-row query tile per request and query head, however few rows are
@@ -57,7 +56,8 @@ per sequence). ``verify_ctx_us_per_tok`` is its loop over the prefix: each (requ
 head) block walks its own request's cached tokens one tile after another. The blocks of up to
 ``ext_wave_seqs`` requests run side by side (one block per SM: 132 SMs / 32 query heads), so
 the pass lasts as long as one request's loop, ``L = C / B`` tokens, and each further wave of
-requests adds another: ``C / Bx`` (smooth, as the attention's first wave). On the H100 testbed
+requests adds another, whole: ``L·⌈B / ext_wave_seqs⌉`` (at 32k tokens a sequence on the H100,
+call AS: one loop at batch 1-3, two at 5-8, three at 9). On the H100 testbed
 a drafted step at batch 1-4 grew by 2.1-2.3 µs per cached token per sequence at every depth
 1-5 (the depth-0 decode by 0.3), about 5.6 at batch 15 and 9-11 at 24; a bs = 1 step at depth
 3 took 8.3 ms at ~380 tokens and 10.0-10.5 ms at 1,200-1,500. Fitted to traces
@@ -395,7 +395,11 @@ def _extend_kernel(c: np.ndarray, b: float, ctx_tokens: float) -> float:
     of one wave (``ext_wave_seqs``) run side by side: ``ctx_tokens`` over the wave's requests."""
     if b <= 0.0:
         return 0.0
-    return c[I_VER_SEQ] * b + c[I_VER_CTX] * (ctx_tokens / _wave(c, b, c[I_EXT_WAVE]))
+    # Whole waves: a request's blocks run its whole prefix loop, so a fifth request beside
+    # four costs a second loop (AS's depth-3 steps at 32k: 77 ms at batch 1-3, 142-145 at 5-8,
+    # 212 at 9), not a quarter of one.
+    waves = math.ceil(b / c[I_EXT_WAVE] - 1e-9)
+    return c[I_VER_SEQ] * b + c[I_VER_CTX] * (ctx_tokens / b) * waves
 
 
 @maybe_njit

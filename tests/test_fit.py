@@ -298,8 +298,8 @@ def _composed_step_us(lp, bs: int, depth: int, ctx_tokens: float, prefill_tokens
         pf = lp.t_fix_us + lp.pf_scale * (gemm_us(lp, p) + lp.tok_us_per_tok * p) + lp.layers * lp.dec_fix_us
         pf += lp.pf_attn_us_per_tok * p + lp.admit_us + lp.admit_seq_us * bs
         pf += lp.layers * lp.pf_pair_us * p * (p + 1.0) / 2.0  # one prompt, nothing cached: quadratic in it
-    wave = bs / (1.0 + (bs / lp.ext_wave_seqs) ** lp.wave_sharpness) ** (1.0 / lp.wave_sharpness)
-    ver = lp.verify_seq_us * bs + lp.verify_ctx_us_per_tok * ctx_tokens / wave  # SGLang's extend kernel
+    waves = -(-bs // lp.ext_wave_seqs)  # whole waves of ext_wave_seqs requests
+    ver = lp.verify_seq_us * bs + lp.verify_ctx_us_per_tok * ctx_tokens / bs * waves  # SGLang's extend kernel
     ext = ver * lp.d_layers / lp.layers  # the draft extend's share
     if depth > 0:
         t += lp.oh_spec_us + float(draft_us(lp, bs, 1, ctx_tokens, True))
