@@ -395,9 +395,7 @@ def fit_admission(lp: LatencyParams, recs: dict[str, list[Step]]) -> tuple[Laten
     step grows (H100 testbed: 9-16 ms beside 7-8 ms depth-0 steps, 1-2 ms beside 25 ms depth-3
     steps); ``admit_hide`` is fitted only where the admissions' steps differ enough to tell it
     from ``admit_us`` (the 90th percentile at least 1.5x the 10th), else it stays 0. The first
-    record of a file, pairs whose earlier record also admitted, and records whose interval since
-    the one before is longer than their ``step_us`` (the first decode after idle, which the hook
-    times from its own launch: the prefill before it is in no record) are left out. Fewer than
+    record of a file, and pairs whose earlier record also admitted, are left out. Fewer than
     :data:`ADMIT_MIN` admissions: ``lp`` unchanged (0 admissions read).
     """
     from scipy.optimize import least_squares
@@ -407,12 +405,7 @@ def fit_admission(lp: LatencyParams, recs: dict[str, list[Step]]) -> tuple[Laten
     for steps in recs.values():
         for i in range(2, len(steps)):
             s, prev = steps[i], steps[i - 1]
-            # The hook times the first decode after idle from its own launch (``on_idle``), so
-            # a record whose interval since the last one is longer than its step_us holds none
-            # of the prefill before it (AQ's long prompts admitted into an empty batch: 75 ms
-            # records after 21 s of prefill).
-            covered = s.ts_ns - prev.ts_ns <= 1050 * s.step_us + 1_000_000
-            if s.prefill_tokens > 0 and prev.prefill_tokens == 0 and s.step_us > 0 and prev.step_us > 0 and covered:
+            if s.prefill_tokens > 0 and prev.prefill_tokens == 0 and s.step_us > 0 and prev.step_us > 0:
                 rows.append((s.bs, s.depth, float(s.ctx_tokens), float(s.prefill_tokens),
                              prev.bs, prev.depth, float(prev.ctx_tokens), float(s.step_us + prev.step_us)))  # fmt: skip
     if len(rows) < ADMIT_MIN:
