@@ -571,6 +571,13 @@ def test_the_fitted_simulator_replays_each_measured_point(tmp_path: Path, capsys
     assert realgpu_sim.main(["--sim", str(sim), str(path), "--seeds", "2", "--ttft-points", str(points)]) == 0
     fitted = capsys.readouterr().out.splitlines()[0]
     assert fitted.startswith("request path fitted to static:0's TTFT at C = 1 and 4 (31.0 / 41.0 ms): ")
+    # A points file with its call's arguments is fitted with them, whatever call is replayed:
+    # sent cold (no warm-up), the same TTFTs hold a prefill each, so less is left to the path.
+    cold = tmp_path / "cold.json"
+    cold.write_text(json.dumps({"args": {"prewarm": "none"}, "points": json.loads(points.read_text())["points"]}))
+    assert realgpu_sim.main(["--sim", str(sim), str(path), "--seeds", "2", "--ttft-points", str(cold)]) == 0
+    path_ms = [float(line.split("ms): ")[1].split(" ms")[0]) for line in (fitted, capsys.readouterr().out.splitlines()[0])]
+    assert path_ms[1] < path_ms[0]
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"points": [{**pt, "workload": "closed-mix-256-64", "concurrency": 1, "ttft_ms_mean": 9.0}]}))
     assert realgpu_sim.main(["--sim", str(sim), str(path), "--ttft-points", str(points), "--ttft-points", str(other)]) == 2

@@ -544,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--ttft-points", type=Path, action="append", default=[],
-        help="a call's point file (offswitch.json; repeatable): fit the request path to static:0's measured TTFTs",
+        help="a call's point file (offswitch.json; repeatable): fit the request path to static:0's measured TTFTs "
+        "(with that call's own arguments where the file has them: another call's points may be replayed)",
     )  # fmt: skip
     ap.add_argument(
         "--resume", choices=("as-fitted", "warm"), default="as-fitted",
@@ -612,6 +613,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ttft_points:  # with one group only (checked above)
         call = groups[0][0]
         per_conc = args.requests_per_conc or int(call.requests_per_conc)
+        if "args" in json.loads(args.ttft_points[0].read_text()):
+            # The TTFTs' own call (its KV cap, prewarm rule, requests a point), so that one
+            # call's request path can price another's points (a fit, then held-out calls).
+            call = call_args(args.ttft_points[0])
+            per_conc = int(call.requests_per_conc)
         from env.fit import fit_request_path
 
         try:
