@@ -392,7 +392,7 @@ def _with_prefill(c: np.ndarray, t: float, prefill_tokens: float, prefill_pairs:
 def _extend_kernel(c: np.ndarray, b: float, ctx_tokens: float) -> float:
     """SGLang's own cost of one target pass through its extend-attention kernel, ``ver`` of the
     module docstring: per request, and its loop over each request's prefix, which the requests
-    of one wave (``ext_wave_seqs``) run side by side: ``ctx_tokens`` over the wave's requests."""
+    of one wave (``ext_wave_seqs``) run side by side: one request's loop per whole wave."""
     if b <= 0.0:
         return 0.0
     # Whole waves: a request's blocks run its whole prefix loop, so a fifth request beside
