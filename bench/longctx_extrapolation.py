@@ -1,6 +1,6 @@
 """Fit the latency model on short-context step records, price the long-context ones (call AQ).
 
-Run: ``python bench/longctx_extrapolation.py [--tar TAR] [--out DIR] [--json OUT]`` (default:
+Run: ``python bench/longctx_extrapolation.py [--tar TAR] [--held-out TAR ...] [--out DIR] [--json OUT]`` (default:
 ``bench/results/realgpu/h100/longctx/traces-aq.tar``, one SGLang 0.5.17 EAGLE-3 server on an
 H100 through the hook, off switch ``kv``, closed loop at 256-token prompts, then prompts of
 4096, 16384 and 32768 tokens; ``bench/results/realgpu/h100/longctx/README.md``).
@@ -12,8 +12,8 @@ H100 through the hook, off switch ``kv``, closed loop at 256-token prompts, then
    while a closed-stage controller was live, and the long stage's files hold a few steps of
    2-token probe requests.
 2. Fit ``below`` (and, once, ``all``) with ``env.fit.fit_sim`` as ``controller fit --traces
-   DIR/NAME/below --off-path plain --off-draft kv`` runs it (the server ran the hook's off
-   switch, ``--spec-off-draft kv``); the fits go to ``DIR/NAME/fit.json`` and
+   DIR/NAME/below --off-path plain --off-draft kv --copy-tb-s 2.96`` runs it (the server ran the
+   hook's off switch, ``--spec-off-draft kv``, on an H100); the fits go to ``DIR/NAME/fit.json`` and
    ``DIR/fit-all.json``.
 3. Price every prefill-free decode step of each part with each fit
    (``env.fit.trace_step_table``, as ``bench/deployment_vs_traces.py --off-path deployment``
@@ -21,6 +21,9 @@ H100 through the hook, off switch ``kv``, closed loop at 256-token prompts, then
    the median per-step ratio predicted / real, the row's MAPE; then the MAPE over all steps,
    depth 0 and depth > 0, and the worst row (the median ratio farthest from 1; a row's MAPE
    also counts the records after an idle gap, which measure more than a step).
+4. ``--held-out``: price the long steps (at least :data:`LONG_MIN_CTX` cached tokens per
+   sequence) of other calls' traces, which no fit saw, with the fit on all and the fit below
+   8,192 (calls AS and AT: ``traces-as.tar``, ``traces-at.tar`` beside the default).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+
+from env.latency import kv_floor_us_per_tok
 
 ROOT = Path(__file__).resolve().parents[1]
 TAR = ROOT / "bench" / "results" / "realgpu" / "h100" / "longctx" / "traces-aq.tar"
@@ -111,12 +116,21 @@ def markdown(title: str, t: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+H100_COPY_TB_S = 2.96
+"""The H100 SXM's copy bandwidth, assumed: its 3.35 TB/s peak at the share the H200's profile
+measured of its own (4.24 of 4.8)."""
+
+
+H100_COPY_FLOOR_US_PER_TOK = kv_floor_us_per_tok(32 * 4096, 32, H100_COPY_TB_S)
+"""One token of one layer's KV (4 KiB) copied at :data:`H100_COPY_TB_S`, µs: the fits' floor."""
+
+
 def fit(traces: Path, out: Path) -> Any:
-    """``controller fit --traces traces --out out --off-path plain --off-draft kv``: the
-    fitted params (also written to ``out``)."""
+    """``controller fit --traces traces --out out --off-path plain --off-draft kv --copy-tb-s
+    2.96`` (the calls ran on an H100): the fitted params (also written to ``out``)."""
     from env.fit import fit_sim
 
-    params, _ = fit_sim(str(traces), [], off_path="plain", off_draft="kv")
+    params, _ = fit_sim(str(traces), [], off_path="plain", off_draft="kv", copy_tb_s=H100_COPY_TB_S)
     params.to_json(str(out))
     return params
 
@@ -164,15 +178,42 @@ def run(tar: Path, out: Path, splits: tuple[tuple[str, int], ...] = SPLITS) -> d
     return res
 
 
+def held_out(tars: list[Path], fits: dict[str, Path]) -> dict[str, Any]:
+    """The long steps (at least :data:`LONG_MIN_CTX` cached tokens per sequence) of ``tars``,
+    other calls' traces, priced with each of ``fits`` (name: sim.json): ``{tar stem: {name:
+    table}}``."""
+    from env.params import SimParams
+
+    res: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for tar in tars:
+            src = Path(tmp) / tar.stem
+            with tarfile.open(tar) as tf:
+                tf.extractall(src, filter="data")
+            split_traces(src / "traces", src / "split", LONG_MIN_CTX)
+            res[tar.stem] = {
+                name: price(SimParams.from_json(str(f)).latency, src / "split" / "above") for name, f in fits.items()
+            }
+    return res
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tar", default=str(TAR), help="the call's traces.tar (traces/*.msgpack.gz)")
     ap.add_argument("--out", help="write the split folders and the fits here (default: a temporary folder)")
     ap.add_argument("--json", help="also write the tables and fitted coefficients as JSON here")
+    ap.add_argument("--held-out", nargs="*", default=[], metavar="TAR",
+                    help="other calls' traces.tar: price their long steps with the fits (e.g. traces-as.tar traces-at.tar)")  # fmt: skip
     args = ap.parse_args(argv)
+    for tar in [args.tar, *args.held_out]:
+        if not Path(tar).is_file():
+            ap.error(f"no such traces tar: {tar}")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         res = run(Path(args.tar), out)
+        if args.held_out:
+            fits = {"all": out / "fit-all.json", "to4k": out / "to4k" / "fit.json"}
+            res["held_out"] = held_out([Path(t) for t in args.held_out], fits)
     for name, at in SPLITS:
         c = res[name]["steps"]
         print(f"split at {at} cached tokens per sequence: {c['below']} steps below, {c['above']} above\n")
@@ -186,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         acc = res[name]["fit"]["acceptance"]
         print(f"fit {name}: " + ", ".join(f"{k} {res[name]['fit'][k]:.4g}" for k in keys)
               + "; acceptance " + ", ".join(f"{k} {acc[k]:.3g}" for k in ("alpha", "beta", "sigma", "p_zero", "ctx_logit")))  # fmt: skip
+    for stem, by_fit in res.get("held_out", {}).items():
+        for name, table in by_fit.items():
+            print("\n" + markdown(f"held out: {stem}'s long steps, priced by the fit {name}", table))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -48,6 +48,7 @@ from env.latency import (
     OFF_EXTEND,
     LatencyParams,
     fit_profile,
+    kv_floor_us_per_tok,
     profile_mape,
     read_profile,
     step_times_us,
@@ -365,6 +366,13 @@ def fit_step_latency(
     hi = np.concatenate([np.full(ng, 5.0), np.full(len(over), 1e4)])
     if groups[-1][0] == "compute":
         lo[ng - 1] = math.log(lp.f_floor_us_per_tok / lp.f_us_per_tok)
+    kv_least = min((getattr(lp, n) for n in KV_NAMES if getattr(lp, n) > 0.0), default=0.0)
+    if lp.kv_floor_us_per_tok > 0.0 and kv_least > 0.0:
+        # No kernel streams the KV faster than the device copies memory. Traces whose long steps
+        # run at small batches, where one sequence's walk sets the pace, hardly constrain the
+        # stream (call AQ's fit took it to 6.6e-4 µs on an H100, 2.3x its bandwidth's floor).
+        i = [name for name, _ in groups].index("per_ctx")
+        lo[i] = min(math.log(lp.kv_floor_us_per_tok / kv_least), hi[i])
     for i, (_, _, active) in enumerate(over):
         if not active:  # what the traces cannot see stays as given (tight bounds)
             lo[ng + i], hi[ng + i] = z0[ng + i] - 1e-9, z0[ng + i] + 1e-9
@@ -537,6 +545,7 @@ def fit_sim(
     off_path: str | None = None,
     off_draft: str | None = None,
     pin_passes: bool = False,
+    copy_tb_s: float | None = None,
 ) -> tuple[SimParams, FitReport]:
     """Fit a simulator to a trace folder and/or latency-profile CSVs.
 
@@ -557,6 +566,10 @@ def fit_sim(
             model. For a server whose records cannot separate the passes from the overheads,
             e.g. the plain server's (one depth, no drafter), whose steps run the same target
             passes as the speculative server's depth 0 around other scheduler work.
+        copy_tb_s: the traced GPU's memory copy bandwidth (TB/s): no KV coefficient is fitted
+            below one token of one layer's KV (the engine's bytes per token over the layers)
+            copied at it (:func:`kv_floor_us_per_tok`). None keeps the base's declared floor
+            (the bundled H200 deployments: 4.24 TB/s, measured).
 
     Returns:
         The fitted :class:`SimParams` and a printable :class:`FitReport`.
@@ -579,6 +592,10 @@ def fit_sim(
             base = SimParams(acceptance=calibrate_to_conditionals([0.73, 0.71, 0.68]))
     report = FitReport(profiles=list(profiles), traces=traces_dir)
     lp = base.latency if off_path is None else replace(base.latency, off_path=off_path)
+    if copy_tb_s is not None:
+        if not copy_tb_s > 0.0:
+            raise FitError(f"copy_tb_s must be a positive bandwidth in TB/s, got {copy_tb_s!r}")
+        lp = replace(lp, kv_floor_us_per_tok=kv_floor_us_per_tok(base.engine.kv_bytes_per_token, lp.layers, copy_tb_s))
     if off_draft is not None:
         if off_draft not in OFF_EXTEND:
             raise FitError(f"off_draft must be one of {', '.join(OFF_EXTEND)}, got {off_draft!r}")

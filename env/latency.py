@@ -12,7 +12,7 @@ target chose per shape)::
 
     attn_k(B, q, L) = (fix_k + seq_k·B + L·(kv1_k·B1 + kv_k·(B − B1))) · [split: 1 + qrel·(q − 2)]
     B1 = B / (1 + (B / wave_seqs)^s)^(1/s)        the sequences of the first wave (smooth min(B, wave_seqs))
-    attn_dec(B, 1, L) = fix + seq·B + ((L·(kv1·B1 + kv·(B − B1)))² + (walk·L)²)^(1/2)      decode, q = 1
+    attn_dec(B, 1, L) = fix + seq·B + ((L·(kv1·B1 + kv·(B − B1)))⁴ + (walk·L)⁴)^(1/4)      decode, q = 1
 
 Why this form: a decode attention kernel runs one thread block per (sequence, KV head). Up to
 ``wave_seqs = SMs / KV heads`` sequences (16.5 on an H200 with 8 KV heads) fit in the first
@@ -32,7 +32,10 @@ AQ, ``bench/results/realgpu/h100/longctx/``) cost about 0.38 µs per cached toke
 at 4k-32k tokens, the same at batch 1 and 4 and only 1.14-1.17× that at 5-8, where the
 bandwidth term grows with the batch: no kv1 fits both a batch of 1 and one of 8 at 32k. The
 smooth maximum keeps the bandwidth term wherever it is the larger; 0 (every profile-built
-deployment) leaves the decode as before, bit for bit.
+deployment) leaves the decode as before, bit for bit. The maximum is a 4-norm, not a 2-norm:
+where walk and stream are equal the kernel costs about 1.2× either, not 1.4× (call AS's depth-0
+steps on the H100: 32k tokens a sequence at batch 1, 8 and 9 took 18.7, 19.9 and 21.5 ms, where
+one sequence's walk alone takes about 15.6 ms of it and 8 or 9 sequences' stream about as much).
 
 The draft head is the same kind of pass, ``d_layers`` of the target's layers wide::
 
@@ -135,10 +138,19 @@ COMPONENT_WEIGHT = {
     "target_attn_fa2": 0.5,
     "target_attn_split": 0.5,
 }
-# No kernel reads the KV cache faster than the device copies memory: on the H200 profile a
-# token of one layer's KV (8 KV heads x 128 x K and V x bf16 = 4096 bytes) at the probed
-# 4.24 TB/s. A lower bound for every per-token attention coefficient.
-H200_8B_KV_FLOOR_US_PER_TOK = 4096 / 4.24e12 * 1e6
+
+
+def kv_floor_us_per_tok(kv_bytes_per_token: float, layers: float, copy_tb_s: float) -> float:
+    """One token of one layer's KV (``kv_bytes_per_token / layers`` bytes) copied at ``copy_tb_s``
+    TB/s, µs: no kernel reads the KV cache faster than the device copies memory, so a lower
+    bound for every per-token attention coefficient (``LatencyParams.kv_floor_us_per_tok``)."""
+    return kv_bytes_per_token / layers / (copy_tb_s * 1e12) * 1e6
+
+
+H200_COPY_TB_S = 4.24
+"""The H200's memory copy bandwidth as the profile probed it (TB/s)."""
+# The 8B target on the H200: 8 KV heads x 128 x K and V x bf16 = 4096 bytes per token and layer.
+H200_8B_KV_FLOOR_US_PER_TOK = kv_floor_us_per_tok(32 * 4096, 32, H200_COPY_TB_S)
 
 
 @dataclass(frozen=True)
@@ -200,6 +212,9 @@ class LatencyParams:
     pf_pair_us: float = 0.0
     # The least ``f_us_per_tok`` a fit may give (declared: 2 × parameters / peak FLOP/s; 0: none).
     f_floor_us_per_tok: float = 0.0
+    # The least per-token KV coefficient (``*_kv*_us_per_tok``) a fit to traces may give
+    # (declared: one token of one layer's KV over the device's copy bandwidth; 0: none).
+    kv_floor_us_per_tok: float = 0.0
     # A step that admits requests, beyond its prefill pass: fitted to traces (env.fit), 0 in the
     # profile-built deployments. On the H100 testbed (prefix-cached prompts, eager prefills) an
     # admission cost the speculative server 40-90 ms against a 7-10 ms decode step.
@@ -242,7 +257,10 @@ class LatencyParams:
         return replace(self, **changes)
 
 
-DECLARED = ("p", "layers", "wave_seqs", "wave_sharpness", "d_layers", "ext_wave_seqs", "pf_pair_us", "f_floor_us_per_tok")
+DECLARED = (
+    "p", "layers", "wave_seqs", "wave_sharpness", "d_layers", "ext_wave_seqs", "pf_pair_us", "f_floor_us_per_tok",
+    "kv_floor_us_per_tok",
+)  # fmt: skip
 """Coefficients set from the hardware and the model's shape, never fitted."""
 
 # --------------------------------------------------------------------------- the coefficient array
@@ -329,6 +347,10 @@ def _attn_layer(c: np.ndarray, k: int, b: float, ctx_per_seq: float) -> float:
     return c[k] + c[k + 1] * b + ctx_per_seq * (c[k + 2] * first + c[k + 3] * (b - first))
 
 
+WALK_P = 4.0
+"""The norm of the smooth maximum of the decode kernel's walk and stream (module docstring)."""
+
+
 @maybe_njit
 def _attn_pass(c: np.ndarray, b: float, q: float, ctx_tokens: float, kernel: int) -> float:
     """Attention of one layer over ``b`` sequences × ``q`` new tokens, ``ctx_tokens`` cached in all.
@@ -344,7 +366,7 @@ def _attn_pass(c: np.ndarray, b: float, q: float, ctx_tokens: float, kernel: int
         if c[I_DEC_WALK] <= 0.0:
             return stream
         fix = c[I_DEC] + c[I_DEC + 1] * b  # the smooth max of streaming all and walking one
-        return fix + math.hypot(stream - fix, c[I_DEC_WALK] * ctx)
+        return fix + ((stream - fix) ** WALK_P + (c[I_DEC_WALK] * ctx) ** WALK_P) ** (1.0 / WALK_P)
     split = _attn_layer(c, I_SPLIT, b, ctx) * (1.0 + c[I_SPLIT_Q] * (q - 2.0))
     if kernel == 2:
         return split

@@ -599,3 +599,24 @@ def test_the_fall_with_context_is_the_one_the_steps_show(truth):
     one.reset(0)
     kept, why = fit_context_fall([one.step(3) for _ in range(500)], start)
     assert kept.ctx_logit == start.ctx_logit and why == ""
+
+
+def test_no_kv_rate_is_fitted_faster_than_the_gpu_copies(tmp_path):
+    """``copy_tb_s`` (``controller fit --copy-tb-s``): every per-token KV coefficient comes out at
+    or above one token of one layer's KV copied at that bandwidth, even where the records, all at
+    short contexts, would take it lower; a bandwidth that is not positive is refused."""
+    from env.errors import FitError
+    from env.fit import fit_sim
+    from env.latency import KV_NAMES, kv_floor_us_per_tok
+
+    base = load_deployment("h200-llama8b")
+    floor = kv_floor_us_per_tok(base.engine.kv_bytes_per_token, base.latency.layers, 1.0)  # a slow GPU
+    assert floor > 3 * max(getattr(base.latency, n) for n in ("dec_kv1_us_per_tok", "split_kv1_us_per_tok"))
+    fitted, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], copy_tb_s=1.0)
+    assert fitted.latency.kv_floor_us_per_tok == pytest.approx(floor)
+    assert min(getattr(fitted.latency, n) for n in KV_NAMES) >= floor * (1 - 1e-6)
+    free, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], base=replace(base, latency=replace(base.latency, kv_floor_us_per_tok=0.0)))
+    assert min(getattr(free.latency, n) for n in KV_NAMES) < floor
+    for bad in (0.0, -2.0, float("nan")):
+        with pytest.raises(FitError, match="copy_tb_s"):
+            fit_sim(str(EXAMPLES / "h200-llama8b"), [], copy_tb_s=bad)

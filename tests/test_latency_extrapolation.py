@@ -52,7 +52,13 @@ def test_sglangs_own_steps_at_16k_and_32k_from_a_fit_up_to_4k(tmp_path: Path) ->
     below 8,192 cached tokens per sequence (256-token prompts and 4k ones), priced at 16k and
     32k. The decode kernel's walk term carries depth 0 there (without it the fit priced a 32k
     decode at batch 1 at 0.43 of its time); the extend kernel's loop the drafted steps. The
-    acceptance fit finds the testbed's population."""
+    acceptance fit finds the testbed's population.
+
+    Then two later calls' long steps, which no fit saw (AS and AT: cold prompts of 2k-32k at
+    batch 1-16). AQ's long steps stop at batch 8, where one sequence's walk sets the pace, so
+    only the declared copy-bandwidth floor keeps the KV stream from being fitted too fast:
+    without it AS's depth-0 steps at batch 16 and 16k tokens a sequence were priced at 0.73 of
+    their time."""
     import sys
     import tarfile
 
@@ -72,3 +78,13 @@ def test_sglangs_own_steps_at_16k_and_32k_from_a_fit_up_to_4k(tmp_path: Path) ->
     # (the docs family) hardly at all: no fall with context, a narrow population, a zero part.
     acc = res["fit"]["acceptance"]
     assert acc["ctx_logit"] == 0.0 and acc["sigma"] < 1.0 and 0.25 < acc["p_zero"] < 0.45, acc
+    assert res["fit"]["dec_kv1_us_per_tok"] >= lx.H100_COPY_FLOOR_US_PER_TOK * (1 - 1e-6)
+
+    calls = lx.TAR.parent
+    for name, by_fit in lx.held_out([calls / "traces-as.tar", calls / "traces-at.tar"], {"to4k": tmp_path / "split" / "fit.json"}).items():
+        t = by_fit["to4k"]
+        assert t["n"] > 1000 and t["mape_pct"] <= 5.0, (name, t["mape_pct"])
+        assert 0.9 <= t["worst"]["ratio"] <= 1.1, (name, t["worst"])
+        if name == "traces-as":
+            big = [r for r in t["rows"] if r["depth"] == 0 and r["ctx_lo"] == 8192 and r["bs_lo"] == 9]
+            assert big and big[0]["n"] > 100 and big[0]["ratio"] > 0.9, big
