@@ -65,4 +65,27 @@ def test_longctx_and_70b_derive_from_the_fitted_8b():
     assert load_deployment("h200-llama8b-longctx").latency == base
     big = load_deployment("h200-70b").latency
     assert big.verify_seq_us == pytest.approx(base.verify_seq_us * 5.0)
+    assert big.verify_ctx_us_per_tok == pytest.approx(base.verify_ctx_us_per_tok * 2.5)  # 80 / 32 layers
+    assert big.ext_wave_seqs == pytest.approx(132 / 64)  # SMs over the 70B's query heads
     assert (big.oh_us, big.oh_spec_us, big.oh_req_us) == (base.oh_us, base.oh_spec_us, base.oh_req_us)
+
+
+def test_long_context_steps_are_priced_as_the_h200_ran_them():
+    """The same server on the testbed with prompts of 8k-32k tokens (calls AV and AW,
+    ``env/example_traces/h200-real-longctx``, off switch ``kv``). A drafted step there costs
+    4-12x a depth-0 one: SGLang's extend kernel loops over each request's prefix, one loop per
+    wave of about four requests. Before the deployment was fitted to these steps it priced them
+    at 0.09-0.30 of their time (depth 3 at 8k and batch 15: 13.9 ms against 74.5), and the PPO
+    policy trained on it drafted at depth 5 on 8k prompts and ran at 0.61-0.74x the plain server."""
+    from env.deployments.build import LONG_TRACES
+
+    steps = [s for d in LONG_TRACES for v in load_steps(str(d)).values() for s in v]
+    t = trace_step_table(load_deployment("h200-llama8b").latency, steps, ctx_bins=((8192, 1 << 40),))
+    rows = [r for r in t["rows"] if r["n"] >= 30]
+    assert {r["depth"] for r in rows} == {0, 3, 5}
+    for r in rows:
+        assert abs(r["ratio"] - 1.0) <= 0.1, r
+    lp = load_deployment("h200-llama8b").latency
+    for bs, per_seq, measured in ((15, 8256, 74.47 / 11.66), (16, 16448, 140.68 / 17.89), (9, 32832, 213.21 / 18.46)):
+        ratio = step_time_us(lp, bs, 3, bs * per_seq) / step_time_us(lp, bs, 0, bs * per_seq)
+        assert abs(ratio / measured - 1.0) < 0.15, (bs, per_seq, ratio, measured)

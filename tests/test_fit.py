@@ -382,7 +382,7 @@ def test_the_extend_loop_is_priced_per_cached_token_of_a_sequence():
     share, so up to a wave of requests of L tokens pay the loop about once, not once each, and a
     batch of 64 pays it for each of its ~16 waves; the off switch's plain depth 0 pays only its
     extend share."""
-    base = replace(load_deployment("h200-llama8b").latency, jitter=0.0)
+    base = replace(load_deployment("h200-llama8b").latency, jitter=0.0, verify_ctx_us_per_tok=0.0)
     lp = replace(base, verify_ctx_us_per_tok=2.2)
     loop = 2.2 * (1.0 + lp.d_layers / lp.layers)  # µs per cached token per sequence: verify + draft extend
     for depth in (1, 3, 5):
@@ -422,7 +422,7 @@ def test_the_extend_loop_is_recovered_from_drafted_steps_of_spread_contexts():
     loop from ``oh_spec_us`` and leaves it as given."""
     from env.fit import fit_step_latency
 
-    base = replace(load_deployment("h200-llama8b").latency, jitter=0.01)
+    base = replace(load_deployment("h200-llama8b").latency, jitter=0.01, verify_ctx_us_per_tok=0.0)
     truth = replace(base, verify_ctx_us_per_tok=2.2)
     fitted = fit_step_latency(base, _drafted_records(truth, "100-2000"))
     assert fitted.verify_ctx_us_per_tok == pytest.approx(2.2, rel=0.1)

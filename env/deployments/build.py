@@ -39,6 +39,8 @@ from env.acceptance import (
     mean_accept_length,
 )
 from env.latency import (
+    H200_8B_KV_FLOOR_US_PER_TOK,
+    KV_NAMES,
     OFF_EXTEND,
     LatencyParams,
     fit_profile,
@@ -217,6 +219,77 @@ def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_s
     return replace(out, **rounded)
 
 
+# The same server on the testbed with prompts of 8k-32k tokens (calls AV and AW): the only H200
+# steps whose contexts spread, so the only ones that tell the long-context terms apart.
+LONG_TRACES = (_HERE.parent / "example_traces" / "h200-real-longctx",)
+# Fitted to the long-context steps, in absolute terms (µs), or as one scale of the first wave's KV
+# rates: those steps run at batch 1-16, one wave, so they tell nothing of the later waves' rates.
+LONG_TERMS = (
+    ("verify_seq_us", 100.0), ("verify_ctx_us_per_tok", 1.0), ("dec_walk_us_per_tok", 0.01), ("oh_spec_us", 1000.0),
+)  # fmt: skip
+LONG_CLASSES = (("kv1", tuple(n for n in KV_NAMES if "_kv1_" in n)),)
+
+
+def long_steps(traces: tuple[Path, ...] = LONG_TRACES) -> tuple[np.ndarray, ...]:
+    """``bs, depth, ctx, us`` of every prefill-free decode step of ``traces`` (these ran the off
+    switch ``kv`` at depth 0, so their depth-0 steps are the deployment's own)."""
+    from env.fit import decode_step_arrays, load_steps
+
+    return decode_step_arrays([s for d in traces for v in load_steps(str(d)).values() for s in v])
+
+
+def fit_long_context(
+    lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, long: tuple[Path, ...] = LONG_TRACES
+) -> LatencyParams:
+    """``lp`` (priced as the off switch ``kv``) with the terms only long contexts show fitted:
+    SGLang's verify cost per request and its extend kernel's loop over each request's prefix
+    (``verify_seq_us``, ``verify_ctx_us_per_tok``), the decode kernel's walk through one
+    sequence's tokens (``dec_walk_us_per_tok``) and one scale of the first wave's KV rates, at or
+    above ``lp.kv_floor_us_per_tok``; and the speculative step's overhead ``oh_spec_us`` again, which
+    :func:`fit_to_server` had fitted with the loop's share at 320 tokens in it.
+
+    One least squares on log step time (soft-L1, as :func:`fit_to_server`) over every
+    prefill-free step of ``long`` (closed loops at 256 to 32,768-token prompts) and the k > 0
+    steps of ``traces`` (the steps :func:`fit_to_server` fitted, 320 tokens a sequence), each set
+    weighted alike, and the off switch's depth-0 TPOT as :func:`fit_to_server` weighs it: the
+    loop and the per-request cost must be told apart at every context, or the loop's share at
+    320 tokens would be counted twice. Every other term stays as ``lp`` has it.
+    """
+    from scipy.optimize import least_squares
+
+    from env.fit import scale_classes
+    from env.latency import step_times_us
+
+    parts = [long_steps(long), server_steps(traces)]
+    bs, depth, ctx, us = (np.concatenate([p[i] for p in parts]) for i in range(4))
+    # Each set weighs the same in the sum, however many steps it holds.
+    weight = np.concatenate([np.full(len(p[3]), np.sqrt(len(us) / (len(parts) * len(p[3])))) for p in parts])
+
+    def make(z: np.ndarray) -> LatencyParams:
+        terms = {n: float(v * unit) for (n, unit), v in zip(LONG_TERMS, z[1:])}
+        return scale_classes(lp, LONG_CLASSES, z[:1], terms)
+
+    pc = np.array(sorted(OFFSWITCH_TPOT_MS), dtype=float)
+    pus = np.array([OFFSWITCH_TPOT_MS[int(c)] for c in pc]) * 1000.0
+
+    def resid(z: np.ndarray) -> np.ndarray:
+        m = make(z)
+        pred = step_times_us(m, bs, depth, ctx, np.zeros_like(bs))
+        keep = replace(m, off_extend=OFF_EXTEND["keep"])  # as call 2's depth 0 ran
+        plain = step_times_us(keep, pc, np.zeros_like(pc), pc * OFFSWITCH_CTX_PER_SEQ, np.zeros_like(pc))
+        return np.clip(np.concatenate([weight * np.log(np.maximum(pred, 1.0) / us), PLAIN_WEIGHT * np.log(plain / pus)]), -20.0, 20.0)
+
+    kv_least = min(getattr(lp, n) for n in LONG_CLASSES[0][1])
+    floor = np.log(lp.kv_floor_us_per_tok / kv_least) if lp.kv_floor_us_per_tok > 0.0 else -5.0
+    lo = np.array([floor, 0.0, 0.0, 0.0, 0.0])
+    hi = np.array([5.0, 1e4, 1e4, 1e4, 1e4])
+    z0 = np.clip(np.array([0.0, lp.verify_seq_us / 100.0, 1.0, 1.0, lp.oh_spec_us / 1000.0]), lo, hi)
+    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=200, x_scale="jac")
+    out = make(sol.x)
+    rounded = {n: round(float(getattr(out, n)), 6) for n in (*KV_NAMES, *(t for t, _ in LONG_TERMS))}
+    return replace(out, **rounded)
+
+
 def h200_latency(reference: Path, traces: tuple[Path, ...] = REAL_TRACES) -> LatencyParams:
     """The profile's pass shapes, fitted to the real server (:func:`fit_to_server`); SGLang's own
     depth 0 (``off_path`` verify) from the off switch's throughput ratios; depth 0 priced as the
@@ -228,7 +301,8 @@ def h200_latency(reference: Path, traces: tuple[Path, ...] = REAL_TRACES) -> Lat
     lp, _ = fit_profile(df, base)
     # Fitted to the server that ran depth 0 with the drafter's extend kept; priced for the
     # hook's default since, which stores only the drafter's keys and values (kv).
-    lp = replace(_verify0_from_ratios(fit_to_server(lp, traces)), off_extend=OFF_EXTEND["kv"])
+    lp = replace(fit_to_server(lp, traces), off_extend=OFF_EXTEND["kv"], kv_floor_us_per_tok=H200_8B_KV_FLOOR_US_PER_TOK)
+    lp = _verify0_from_ratios(fit_long_context(lp, traces))
     return with_prefill_attention(replace(lp, f_floor_us_per_tok=F_FLOOR_US_8B))
 
 
@@ -260,8 +334,14 @@ _H200_NOTES = (
     "dec_fix_us/dec_seq_us, by one least squares over the prefill-free k > 0 steps of "
     "env/example_traces/h200-real-{rand,same,noisy} and the off switch's depth-0 TPOT at C = 1/4/16/64/128 "
     "(5.03/5.11/5.59/7.89/11.56 ms, bench/results/realgpu/offswitch call 2, read as the step time at batch C). "
-    "The per-cached-token terms stay the profile's (every traced step holds ~320 tokens per sequence); "
-    "verify_seq_us is measured at that context only. Depth 0 = the off switch (off_path plain), fitted with the "
+    "Then the terms only long contexts show, by a second least squares (fit_long_context) over every "
+    "prefill-free step of env/example_traces/h200-real-longctx (the same server on the testbed, prompts of "
+    "256 to 32,768 tokens, off switch kv; calls AV and AW) and the k > 0 steps above, each set weighted alike: "
+    "SGLang's verify cost per request verify_seq_us, its extend kernel's loop over each request's prefix "
+    "verify_ctx_us_per_tok (one loop per wave of ext_wave_seqs = 132 SMs / 32 query heads requests), the decode "
+    "kernel's walk through one sequence's tokens dec_walk_us_per_tok, oh_spec_us again, and one scale of the profile's first-wave KV rates, "
+    "at or above one token of one layer's KV copied at 4.24 TB/s (kv_floor_us_per_tok, which fits to traces keep). "
+    "Depth 0 = the off switch (off_path plain), fitted with the "
     "drafter's extend kept and priced as the hook's default, kv: off_extend 0.1 of that extend "
     "(env.latency.OFF_EXTEND); v0_fix_us/v0_seq_us (SGLang's own depth 0, off_path verify) solved so that path runs at "
     "0.72/0.71/0.59/0.41/0.40 x a plain server at C = 1/4/16/64/128 (bench/results/realgpu/offswitch, call 1). "
@@ -317,10 +397,9 @@ def build_h200_longctx(reference: Path, h200: SimParams | None = None) -> SimPar
             "memory (spec_kv_budget_tokens: 4 KB/token and 1.04 GB): about 45 such requests fit, so the "
             "budget binds before the 256-request limit. At these lengths attention dominates the step and "
             "acceptance falls with context (the h200-llama8b acceptance model: 2.30 tokens at 2k, 1.08 at 20k). "
-            "Latency past 4096 tokens per sequence is the fitted model's extrapolation (linear in context); "
-            "SGLang's verify cost per request (verify_seq_us) was measured at ~320 tokens per sequence and is "
-            "held constant: triton's extend kernel reads the prefix serially per request, so at 16k it is likely "
-            "larger (under-priced speculation cost, not measured); "
+            "The long-context terms are the h200-llama8b fit's to the same server at 8k-32k tokens a sequence "
+            "(env/example_traces/h200-real-longctx): a drafted step there costs 4-12x a depth-0 one, SGLang's "
+            "extend kernel looping over each request's prefix, one loop per wave of 4 requests; "
             "a prompt's prefill attention is quadratic in its length (pf_pair_us, from one cold 32k prompt's "
             "2.63 s on the H100 testbed, call AQ: about 0.5 s of attention per 16k prompt)."
         ),
@@ -359,6 +438,9 @@ def build_h200_70b(reference: Path, h200: SimParams | None = None) -> SimParams:
         d_tok_us_per_tok=lp.d_tok_us_per_tok * 2.0,
         # SGLang's verify runs a query tile per (request, query head, layer): 64 heads x 80 layers.
         verify_seq_us=lp.verify_seq_us * layer_ratio * 64 / 32,
+        # ... and its loop over each request's prefix per layer, 132 SMs / 64 query heads side by side.
+        verify_ctx_us_per_tok=lp.verify_ctx_us_per_tok * layer_ratio,
+        ext_wave_seqs=132 / 64,
         # A prompt's attention per token pair and layer: its FLOPs go with the query heads (64 / 32).
         pf_pair_us=lp.pf_pair_us * 64 / 32,
         f_floor_us_per_tok=2 * PARAMS_70B / (2 * 989e12) * 1e6,  # FP8 at twice the bf16 peak
@@ -386,7 +468,8 @@ def build_h200_70b(reference: Path, h200: SimParams | None = None) -> SimParams:
             "token (8.8x) / 2 (FP8 at twice the bf16 rate, the 8B's achieved fraction kept), tok_us_per_tok x "
             "layers x hidden (5x), t_fix_us x layers (2.5x), attention per layer unchanged (the same 8 KV "
             "heads of 128: 4 KB per token per layer) over 80 layers; draft terms x its bytes (3.1x), fc x 4; "
-            "SGLang's verify cost per request x query heads x layers (5x); a prompt's attention per token pair "
+            "SGLang's verify cost per request x query heads x layers (5x), its extend kernel's loop over a "
+            "request's prefix x layers (2.5x) in waves of 132 SMs / 64 query heads; a prompt's attention per token pair "
             "x query heads (2x) over 80 layers. "
             f"Decode turns compute-bound near {lat.w_us / lat.f_us_per_tok:.0f} tokens per pass (8B: "
             f"{lp.w_us / lp.f_us_per_tok:.0f}). KV pool 141 GB x 0.9 - 70.6 - ~5 GB = "
