@@ -172,49 +172,69 @@ def server_steps(traces: tuple[Path, ...] = REAL_TRACES) -> tuple[np.ndarray, ..
     return bs[k], depth[k], ctx[k], us[k]
 
 
-def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_steps: int = 4000) -> LatencyParams:
-    """Fit the pass classes and the server terms to the real server, from the profile's shape.
-
-    One least squares on log step time (soft-L1, as ``env.fit.fit_step_latency``) over two sets:
-    the traced speculative steps (``n_steps`` of them, evenly spaced) and the off switch's depth-0
-    TPOT at C = 1..128 (:data:`OFFSWITCH_TPOT_MS`, each weighted :data:`PLAIN_WEIGHT`). The k > 0
-    steps alone cannot split the constant per step between the passes every step runs and the
-    speculative overhead; the plain points can. ``w_us`` is held at or above
-    :data:`W_FLOOR_US_8B`, ``f_us_per_tok`` at or above :data:`F_FLOOR_US_8B`. The result keeps ``lp``'s depth-0 path (the off switch, extend kept).
-    """
+def _fit_steps(
+    lp: LatencyParams,
+    classes: tuple[tuple[str, tuple[str, ...]], ...],
+    terms: tuple[tuple[str, float], ...],
+    sets: list[tuple[np.ndarray, ...]],
+    z0: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+) -> LatencyParams:
+    """``lp`` with one scale per class of ``classes`` and the absolute ``terms`` (name, unit of
+    the free variable) fitted by one least squares on log step time (soft-L1, as
+    ``env.fit.fit_step_latency``): over ``sets`` of prefill-free steps (``bs, depth, ctx, us``),
+    each set weighing the same in the sum however many steps it holds, and over the off switch's
+    depth-0 TPOT at C = 1..128 (:data:`OFFSWITCH_TPOT_MS`, the drafter's extend kept as it ran,
+    each point weighted :data:`PLAIN_WEIGHT`). The variables start at ``z0`` within ``lo``-``hi``
+    (the classes' log scales first)."""
     from scipy.optimize import least_squares
 
     from env.fit import scale_classes
     from env.latency import step_times_us
 
-    bs, depth, ctx, us = server_steps(traces)
-    idx = np.linspace(0, len(us) - 1, min(n_steps, len(us))).astype(int)
-    bs, depth, ctx, us = bs[idx], depth[idx], ctx[idx], us[idx]
+    bs, depth, ctx, us = (np.concatenate([part[i] for part in sets]) for i in range(4))
+    weight = np.concatenate([np.full(len(part[3]), np.sqrt(len(us) / (len(sets) * len(part[3])))) for part in sets])
     pc = np.array(sorted(OFFSWITCH_TPOT_MS), dtype=float)
     pus = np.array([OFFSWITCH_TPOT_MS[int(c)] for c in pc]) * 1000.0
     pz = np.zeros_like(pc)
-    lp = replace(lp, off_path="plain", off_extend=True)
-    ng = len(SERVER_CLASSES)
+    ng = len(classes)
 
     def make(z: np.ndarray) -> LatencyParams:
-        terms = {n: float(v * unit) for (n, unit), v in zip(SERVER_TERMS, z[ng:])}
-        return scale_classes(lp, SERVER_CLASSES, z[:ng], terms)
+        return scale_classes(lp, classes, z[:ng], {n: float(v * unit) for (n, unit), v in zip(terms, z[ng:])})
 
     def resid(z: np.ndarray) -> np.ndarray:
         m = make(z)
-        spec = np.log(np.maximum(step_times_us(m, bs, depth, ctx, np.zeros_like(bs)), 1.0) / us)
-        plain = np.log(np.maximum(step_times_us(m, pc, pz, pc * OFFSWITCH_CTX_PER_SEQ, pz), 1.0) / pus)
+        spec = weight * np.log(np.maximum(step_times_us(m, bs, depth, ctx, np.zeros_like(bs)), 1.0) / us)
+        keep = replace(m, off_extend=OFF_EXTEND["keep"])  # as call 2's depth 0 ran
+        plain = np.log(np.maximum(step_times_us(keep, pc, pz, pc * OFFSWITCH_CTX_PER_SEQ, pz), 1.0) / pus)
         return np.clip(np.concatenate([spec, PLAIN_WEIGHT * plain]), -20.0, 20.0)
 
+    z0 = np.clip(z0, lo, hi)
+    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=200, x_scale="jac")
+    return make(sol.x)
+
+
+def fit_to_server(lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, n_steps: int = 4000) -> LatencyParams:
+    """Fit the pass classes and the server terms to the real server, from the profile's shape.
+
+    :func:`_fit_steps` over the traced speculative steps (``n_steps`` of them, evenly spaced)
+    and the off switch's depth-0 TPOT at C = 1..128. The k > 0
+    steps alone cannot split the constant per step between the passes every step runs and the
+    speculative overhead; the plain points can. ``w_us`` is held at or above
+    :data:`W_FLOOR_US_8B`, ``f_us_per_tok`` at or above :data:`F_FLOOR_US_8B`. The result keeps ``lp``'s depth-0 path (the off switch, extend kept).
+    """
+    bs, depth, ctx, us = server_steps(traces)
+    idx = np.linspace(0, len(us) - 1, min(n_steps, len(us))).astype(int)
+    lp = replace(lp, off_path="plain", off_extend=True)
+    ng = len(SERVER_CLASSES)
     z0 = np.concatenate([np.zeros(ng), [0.3, 1.0, 0.2, 1.0, lp.dec_fix_us / 10.0, 0.0]])
     lo = np.concatenate([np.full(ng, -5.0), np.zeros(len(SERVER_TERMS))])
     hi = np.concatenate([np.full(ng, 5.0), np.full(len(SERVER_TERMS), 1e4)])
     classes = [name for name, _ in SERVER_CLASSES]
     lo[classes.index("weights")] = np.log(W_FLOOR_US_8B / lp.w_us)
     lo[classes.index("per_token")] = np.log(F_FLOOR_US_8B / lp.f_us_per_tok)
-    z0 = np.clip(z0, lo, hi)
-    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=200, x_scale="jac")
-    out = make(sol.x)
+    out = _fit_steps(lp, SERVER_CLASSES, SERVER_TERMS, [(bs[idx], depth[idx], ctx[idx], us[idx])], z0, lo, hi)
     rounded: dict[str, Any] = {n: round(float(getattr(out, n)), 4) for n, _ in SERVER_TERMS}
     return replace(out, **rounded)
 
@@ -248,45 +268,19 @@ def fit_long_context(
     above ``lp.kv_floor_us_per_tok``; and the speculative step's overhead ``oh_spec_us`` again, which
     :func:`fit_to_server` had fitted with the loop's share at 320 tokens in it.
 
-    One least squares on log step time (soft-L1, as :func:`fit_to_server`) over every
-    prefill-free step of ``long`` (closed loops at 256 to 32,768-token prompts) and the k > 0
-    steps of ``traces`` (the steps :func:`fit_to_server` fitted, 320 tokens a sequence), each set
-    weighted alike, and the off switch's depth-0 TPOT as :func:`fit_to_server` weighs it: the
-    loop and the per-request cost must be told apart at every context, or the loop's share at
-    320 tokens would be counted twice. Every other term stays as ``lp`` has it.
+    :func:`_fit_steps` over every prefill-free step of ``long`` (closed loops at 256 to
+    32,768-token prompts) and the k > 0 steps of ``traces`` (those :func:`fit_to_server` fitted,
+    320 tokens a sequence), each set weighted alike, and the off switch's depth-0 TPOT: the loop
+    and the per-request cost must be told apart at every context, or the loop's share at 320
+    tokens would be counted twice. Every other term stays as ``lp`` has it.
     """
-    from scipy.optimize import least_squares
-
-    from env.fit import scale_classes
-    from env.latency import step_times_us
-
-    parts = [long_steps(long), server_steps(traces)]
-    bs, depth, ctx, us = (np.concatenate([p[i] for p in parts]) for i in range(4))
-    # Each set weighs the same in the sum, however many steps it holds.
-    weight = np.concatenate([np.full(len(p[3]), np.sqrt(len(us) / (len(parts) * len(p[3])))) for p in parts])
-
-    def make(z: np.ndarray) -> LatencyParams:
-        terms = {n: float(v * unit) for (n, unit), v in zip(LONG_TERMS, z[1:])}
-        return scale_classes(lp, LONG_CLASSES, z[:1], terms)
-
-    pc = np.array(sorted(OFFSWITCH_TPOT_MS), dtype=float)
-    pus = np.array([OFFSWITCH_TPOT_MS[int(c)] for c in pc]) * 1000.0
-
-    def resid(z: np.ndarray) -> np.ndarray:
-        m = make(z)
-        pred = step_times_us(m, bs, depth, ctx, np.zeros_like(bs))
-        keep = replace(m, off_extend=OFF_EXTEND["keep"])  # as call 2's depth 0 ran
-        plain = step_times_us(keep, pc, np.zeros_like(pc), pc * OFFSWITCH_CTX_PER_SEQ, np.zeros_like(pc))
-        return np.clip(np.concatenate([weight * np.log(np.maximum(pred, 1.0) / us), PLAIN_WEIGHT * np.log(plain / pus)]), -20.0, 20.0)
-
     kv_least = min(getattr(lp, n) for n in LONG_CLASSES[0][1])
     floor = np.log(lp.kv_floor_us_per_tok / kv_least) if lp.kv_floor_us_per_tok > 0.0 else -5.0
     lo = np.array([floor, 0.0, 0.0, 0.0, 0.0])
     hi = np.array([5.0, 1e4, 1e4, 1e4, 1e4])
-    z0 = np.clip(np.array([0.0, lp.verify_seq_us / 100.0, 1.0, 1.0, lp.oh_spec_us / 1000.0]), lo, hi)
-    sol = least_squares(resid, z0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, max_nfev=200, x_scale="jac")
-    out = make(sol.x)
-    rounded = {n: round(float(getattr(out, n)), 6) for n in (*KV_NAMES, *(t for t, _ in LONG_TERMS))}
+    z0 = np.array([0.0, lp.verify_seq_us / 100.0, 1.0, 1.0, lp.oh_spec_us / 1000.0])
+    out = _fit_steps(lp, LONG_CLASSES, LONG_TERMS, [long_steps(long), server_steps(traces)], z0, lo, hi)
+    rounded: dict[str, Any] = {n: round(float(getattr(out, n)), 6) for n in (*KV_NAMES, *(t for t, _ in LONG_TERMS))}
     return replace(out, **rounded)
 
 
