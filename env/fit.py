@@ -370,7 +370,7 @@ def fit_step_latency(
     if lp.kv_floor_us_per_tok > 0.0 and kv_least > 0.0:
         # No kernel streams the KV faster than the device copies memory. Traces whose long steps
         # run at small batches, where one sequence's walk sets the pace, hardly constrain the
-        # stream (call AQ's fit took it to 6.6e-4 µs on an H100, 2.3x its bandwidth's floor).
+        # stream (call AQ's fit took it to 6.6e-4 µs on an H100, half of what its bandwidth allows).
         i = [name for name, _ in groups].index("per_ctx")
         lo[i] = min(math.log(lp.kv_floor_us_per_tok / kv_least), hi[i])
     for i, (_, _, active) in enumerate(over):
