@@ -268,7 +268,9 @@ def test_traces_of_a_kv_server_fit_its_depth_0_steps_as_kv():
     assert keep.latency.off_extend == 1.0 and kv.latency.off_extend == OFF_EXTEND["kv"]
     for bs in (1, 16, 64):
         k0, v0 = (step_time_us(p.latency, bs, 0, bs * 512.0) for p in (keep, kv))
-        assert abs(v0 / k0 - 1.0) < 0.02, bs  # both fit the same depth-0 steps ...
+        # both fit the same depth-0 steps (within 3%: the drafter's share now carries the extend
+        # kernel's loop over the prefix, which the pass classes absorb only in part) ...
+        assert abs(v0 / k0 - 1.0) < 0.03, bs
         plain_k, plain_v = (step_time_us(replace(p.latency, off_extend=0.0), bs, 0, bs * 512.0) for p in (keep, kv))
         assert plain_v > 1.02 * plain_k, bs  # ... so kv leaves more of them to the target
     with pytest.raises(FitError, match="off_draft"):
@@ -610,9 +612,9 @@ def test_no_kv_rate_is_fitted_faster_than_the_gpu_copies(tmp_path):
     from env.latency import KV_NAMES, kv_floor_us_per_tok
 
     base = load_deployment("h200-llama8b")
-    floor = kv_floor_us_per_tok(base.engine.kv_bytes_per_token, base.latency.layers, 1.0)  # a slow GPU
+    floor = kv_floor_us_per_tok(base.engine.kv_bytes_per_token, base.latency.layers, 0.5)  # a slow GPU
     assert floor > 3 * max(getattr(base.latency, n) for n in ("dec_kv1_us_per_tok", "split_kv1_us_per_tok"))
-    fitted, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], copy_tb_s=1.0)
+    fitted, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], copy_tb_s=0.5)
     assert fitted.latency.kv_floor_us_per_tok == pytest.approx(floor)
     assert min(getattr(fitted.latency, n) for n in KV_NAMES) >= floor * (1 - 1e-6)
     free, _ = fit_sim(str(EXAMPLES / "h200-llama8b"), [], base=replace(base, latency=replace(base.latency, kv_floor_us_per_tok=0.0)))

@@ -84,7 +84,8 @@ def _sim_log(spec: str, workload: str, seed: int, delay: int) -> list[tuple[Step
     from env.runner import simulate
 
     rec = Recording(make_factory(spec, DEPTHS)(DEPTHS))
-    simulate(_sim_params(), workload, rec, depths=DEPTHS, seed=seed, duration_s=8.0, action_delay=delay)
+    # 16 simulated seconds: a policy that drafts at long contexts runs steps of ~0.2 s there.
+    simulate(_sim_params(), workload, rec, depths=DEPTHS, seed=seed, duration_s=16.0, action_delay=delay)
     return rec.log
 
 
