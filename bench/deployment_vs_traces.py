@@ -27,9 +27,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import longctx_extrapolation  # a sibling script: bench/ is this script's folder, first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
-CTX_BINS = ((0, 1023), (1024, 8191), (8192, 24575), (24576, 1 << 40))
-"""``--by-context``'s bins of cached tokens per sequence, inclusive."""
+CTX_BINS = tuple((lo, hi) for lo, hi, _ in longctx_extrapolation.CTX_BINS)
+"""``--by-context``'s bins of cached tokens per sequence, inclusive: the long-context fit's."""
 TRACES = tuple(str(ROOT / "env" / "example_traces" / f"h200-real-{lvl}") for lvl in ("rand", "same", "noisy"))
 
 

@@ -289,6 +289,16 @@ def _spread(values: np.ndarray) -> bool:
     return bool(hi >= CTX_SPREAD * lo)
 
 
+def kv_floor_log_scale(lp: LatencyParams, names: tuple[str, ...]) -> float | None:
+    """The least log scale of the KV coefficients ``names`` that keeps the smallest of them (of
+    those above 0) at or above ``lp.kv_floor_us_per_tok``: no kernel streams the KV faster than
+    the device copies memory. None without a declared floor or such a coefficient."""
+    least = min((getattr(lp, n) for n in names if getattr(lp, n) > 0.0), default=0.0)
+    if lp.kv_floor_us_per_tok <= 0.0 or least <= 0.0:
+        return None
+    return math.log(lp.kv_floor_us_per_tok / least)
+
+
 def fit_step_latency(
     lp: LatencyParams, steps: list[Step], overheads_only: bool = False, verify_seq: bool | None = None
 ) -> LatencyParams:
@@ -366,13 +376,13 @@ def fit_step_latency(
     hi = np.concatenate([np.full(ng, 5.0), np.full(len(over), 1e4)])
     if groups[-1][0] == "compute":
         lo[ng - 1] = math.log(lp.f_floor_us_per_tok / lp.f_us_per_tok)
-    kv_least = min((getattr(lp, n) for n in KV_NAMES if getattr(lp, n) > 0.0), default=0.0)
-    if lp.kv_floor_us_per_tok > 0.0 and kv_least > 0.0:
-        # No kernel streams the KV faster than the device copies memory. Traces whose long steps
-        # run at small batches, where one sequence's walk sets the pace, hardly constrain the
-        # stream (call AQ's fit took it to 6.6e-4 µs on an H100, half of what its bandwidth allows).
+    floor = kv_floor_log_scale(lp, KV_NAMES)
+    if floor is not None:
+        # Traces whose long steps run at small batches, where one sequence's walk sets the pace,
+        # hardly constrain the stream (call AQ's fit took it to 6.6e-4 µs on an H100, half of
+        # what its bandwidth allows).
         i = [name for name, _ in groups].index("per_ctx")
-        lo[i] = min(math.log(lp.kv_floor_us_per_tok / kv_least), hi[i])
+        lo[i] = min(floor, hi[i])
     for i, (_, _, active) in enumerate(over):
         if not active:  # what the traces cannot see stays as given (tight bounds)
             lo[ng + i], hi[ng + i] = z0[ng + i] - 1e-9, z0[ng + i] + 1e-9

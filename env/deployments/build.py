@@ -164,12 +164,16 @@ def server_steps(traces: tuple[Path, ...] = REAL_TRACES) -> tuple[np.ndarray, ..
     Their depth-0 steps ran SGLang's own depth 0 (a width-1 verify), not the off switch the
     deployment runs, so they are left out (``bench/deployment_vs_traces.py`` shows them).
     """
-    from env.fit import decode_step_arrays, load_steps
-
-    steps = [s for d in traces for v in load_steps(str(d)).values() for s in v]
-    bs, depth, ctx, us = decode_step_arrays(steps)
+    bs, depth, ctx, us = decode_steps(traces)
     k = depth > 0
     return bs[k], depth[k], ctx[k], us[k]
+
+
+def decode_steps(traces: tuple[Path, ...]) -> tuple[np.ndarray, ...]:
+    """``bs, depth, ctx, us`` of every prefill-free decode step of the trace folders ``traces``."""
+    from env.fit import decode_step_arrays, load_steps
+
+    return decode_step_arrays([s for d in traces for v in load_steps(str(d)).values() for s in v])
 
 
 def _fit_steps(
@@ -250,14 +254,6 @@ LONG_TERMS = (
 LONG_CLASSES = (("kv1", tuple(n for n in KV_NAMES if "_kv1_" in n)),)
 
 
-def long_steps(traces: tuple[Path, ...] = LONG_TRACES) -> tuple[np.ndarray, ...]:
-    """``bs, depth, ctx, us`` of every prefill-free decode step of ``traces`` (these ran the off
-    switch ``kv`` at depth 0, so their depth-0 steps are the deployment's own)."""
-    from env.fit import decode_step_arrays, load_steps
-
-    return decode_step_arrays([s for d in traces for v in load_steps(str(d)).values() for s in v])
-
-
 def fit_long_context(
     lp: LatencyParams, traces: tuple[Path, ...] = REAL_TRACES, long: tuple[Path, ...] = LONG_TRACES
 ) -> LatencyParams:
@@ -274,12 +270,14 @@ def fit_long_context(
     and the per-request cost must be told apart at every context, or the loop's share at 320
     tokens would be counted twice. Every other term stays as ``lp`` has it.
     """
-    kv_least = min(getattr(lp, n) for n in LONG_CLASSES[0][1])
-    floor = np.log(lp.kv_floor_us_per_tok / kv_least) if lp.kv_floor_us_per_tok > 0.0 else -5.0
-    lo = np.array([floor, 0.0, 0.0, 0.0, 0.0])
+    from env.fit import kv_floor_log_scale
+
+    floor = kv_floor_log_scale(lp, LONG_CLASSES[0][1])
+    lo = np.array([-5.0 if floor is None else floor, 0.0, 0.0, 0.0, 0.0])
     hi = np.array([5.0, 1e4, 1e4, 1e4, 1e4])
     z0 = np.array([0.0, lp.verify_seq_us / 100.0, 1.0, 1.0, lp.oh_spec_us / 1000.0])
-    out = _fit_steps(lp, LONG_CLASSES, LONG_TERMS, [long_steps(long), server_steps(traces)], z0, lo, hi)
+    # Every step of ``long``, depth 0 included: those servers ran the off switch, the deployment's own.
+    out = _fit_steps(lp, LONG_CLASSES, LONG_TERMS, [decode_steps(long), server_steps(traces)], z0, lo, hi)
     rounded: dict[str, Any] = {n: round(float(getattr(out, n)), 6) for n in (*KV_NAMES, *(t for t, _ in LONG_TERMS))}
     return replace(out, **rounded)
 
