@@ -420,16 +420,26 @@ def _policy_list(cfg: EvalConfig, depths: tuple[int, ...]) -> list[tuple[str, st
     else:
         names = [n.strip() for n in cfg.baselines.split(",") if n.strip()]
     out += [(n, n) for n in names]
-    first_zip = True
+    zip_names = iter(zip_policy_names([p for p in cfg.policies if p.endswith(".zip")]))
     for spec in cfg.policies:
         if spec.endswith(".zip"):
-            # The first zip is "the" learned policy the targets are checked for.
-            name = "ppo" if first_zip else f"ppo:{Path(spec).stem}"
-            first_zip = False
-            out.append((name, str(Path(spec).resolve())))
+            out.append((next(zip_names), str(Path(spec).resolve())))
         else:
             out.append((spec.removeprefix("builtin:"), spec))
     return out
+
+
+def zip_policy_names(zips: list[str]) -> list[str]:
+    """The report's names for the policy zips, in order: the first is ``ppo``, the learned policy
+    the targets are checked for; the rest ``ppo:STEM``, or ``ppo:FOLDER/STEM`` where two share
+    a stem (``a/ppo.zip`` and ``b/ppo.zip``); a name still taken raises."""
+    stems = [Path(z).stem for z in zips]
+    names = ["ppo"]
+    for z, stem in zip(zips[1:], stems[1:]):
+        names.append(f"ppo:{stem}" if stems.count(stem) == 1 else f"ppo:{Path(z).parent.name}/{stem}")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--policy zips need distinct names, got {', '.join(zips)}")
+    return names[: len(zips)]
 
 
 def evaluate(cfg: EvalConfig) -> Path:
@@ -660,13 +670,12 @@ def evaluate_suite(cfg: EvalConfig) -> Path:
         for _, pspec in base:
             _build_policy(pspec, depths, params)  # fail before hours of simulation, not after
         pols = list(base)
-        first = True
+        zip_names = iter(zip_policy_names([z for z in cfg.policies if z.endswith(".zip")]))
         for z in cfg.policies:
             if not z.endswith(".zip"):
                 pols.append((z.removeprefix("builtin:"), z))
                 continue
-            name = "ppo" if first else f"ppo:{Path(z).stem}"
-            first = False
+            name = next(zip_names)
             path = _resolve_zip(z, sc.deployment)
             if Path(path).exists():
                 pols.append((name, str(Path(path).resolve())))

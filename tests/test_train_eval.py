@@ -120,6 +120,15 @@ def test_the_fitted_model_features_are_served_as_trained(trained):
             assert fused.update_with(step, policy.fused) == a
 
 
+def test_policy_zips_that_share_a_file_name_get_distinct_names():
+    from agents.evaluate import zip_policy_names
+
+    assert zip_policy_names(["a/ppo.zip", "b/ppo.zip", "b/warmstart.zip"]) == ["ppo", "ppo:b/ppo", "ppo:warmstart"]
+    assert zip_policy_names([]) == []
+    with pytest.raises(ConfigError, match="distinct names"):
+        zip_policy_names(["a/x/ppo.zip", "b/x/ppo.zip", "c/x/ppo.zip"])
+
+
 def test_ci95():
     m, lo, hi = ci95([1.0, 2.0, 3.0, 4.0, 5.0])
     assert m == 3.0 and lo < 3.0 < hi
