@@ -57,6 +57,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     t.add_argument("--gamma", type=float, default=None, help="PPO discount (default 0.98)")
     t.add_argument(
+        "--learning-rate", type=float, default=None, help="PPO learning rate, decayed linearly to 0 (default 2e-5)"
+    )
+    t.add_argument(
+        "--select-every",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="score the policy on validation episodes of the training distribution before PPO, every STEPS "
+        "PPO steps and at the end, and save the best scored weights (default 28672; 0 = save the final "
+        "weights unscored); train_report.md lists the scores",
+    )
+    t.add_argument(
         "--delay",
         default=None,
         metavar="LO,HI",

@@ -25,7 +25,11 @@ The pipeline, top to bottom:
    expert, then the current network; every allowed depth is scored there.
 5. **PPO.** stable-baselines3 PPO (MlpPolicy, 2×64 tanh) fine-tunes on-policy with the same
    reward, with a progress bar and TensorBoard logs (``tb/``).
-6. **Outputs.** ``ppo.zip`` (SB3 format + ``specdepth.json``, loadable by ``controller serve``
+6. **Selection.** SB3's ``EvalCallback`` scores the deterministic policy on the same validation
+   episodes (the training distribution, their own seed: :class:`ValidationSelect`) before PPO
+   and every ``select_every`` steps; the weights saved are the best scored, so the fine-tuning
+   can only replace the warm start where it did better on episodes it was not trained on.
+7. **Outputs.** ``ppo.zip`` (SB3 format + ``specdepth.json``, loadable by ``controller serve``
    unchanged), ``sim.json``, ``train_config.json`` (the resolved config),
    ``train_report.md``.
 
@@ -82,7 +86,11 @@ class TrainConfig:
         n_steps: PPO rollout length per env.
         batch_size: PPO minibatch.
         n_epochs: PPO epochs per rollout.
-        learning_rate: PPO learning rate (linearly decayed to 0).
+        learning_rate: PPO learning rate (linearly decayed to 0): 2e-5. At 1e-4 the fine-tuning
+            moved the cloned actor away from what it had learned: on h200-llama8b every
+            checkpoint scored below the warm start on the validation episodes (−271 to −273
+            against −266.6); at 2e-5 they scored up to −260.8 (freezing the actor for the first
+            28-57k steps instead gave −261.8 to −262.6).
         gamma: discount: 0.98, so a probe of the drafter (a few costly steps) is paid for by the
             tens of steps it makes better (0.9 erased the probe the warm start had learned).
         ent_coef: entropy bonus.
@@ -133,6 +141,10 @@ class TrainConfig:
         bc_slo_labels: under an SLO objective, the oracle's warm-start labels (with
             ``bc_expert`` > 0): ``"step"`` or ``"projected"`` (each request's TPOT projected to
             its end at the depth; :func:`projected_on_target_tokens`).
+        select_every: PPO steps between validation scores (:class:`ValidationSelect`); the
+            warm start is scored first and the final weights last; 0 saves the final weights
+            unscored.
+        select_episodes: validation episodes per score (the same ones each time).
         progress: show a progress bar.
     """
 
@@ -149,7 +161,7 @@ class TrainConfig:
     n_steps: int = 512
     batch_size: int = 512
     n_epochs: int = 5
-    learning_rate: float = 1e-4
+    learning_rate: float = 2e-5
     gamma: float = 0.98
     ent_coef: float = 0.0
     clip_range: float = 0.1
@@ -175,6 +187,8 @@ class TrainConfig:
     objective: str = "throughput"
     slo_credit: str = "step"
     bc_slo_labels: str = "step"
+    select_every: int = 28_672  # 7 rollouts of 8 × 512 steps
+    select_episodes: int = 16
     progress: bool = True
 
     @classmethod
@@ -193,6 +207,8 @@ class TrainConfig:
         for flag, name in (
             ("warm_start_rounds", "bc_rounds"),
             ("gamma", "gamma"),
+            ("learning_rate", "learning_rate"),
+            ("select_every", "select_every"),
             ("reward", "reward"),
             ("drafter_mix", "drafter_mix"),
             ("objective", "objective"),
@@ -220,6 +236,10 @@ class TrainConfig:
             raise ConfigError(f"--probe-staleness must be in [0, 1), got {cfg.bc_probe_staleness}")
         if not (math.isfinite(cfg.bc_probe_cost_steps) and cfg.bc_probe_cost_steps >= 0.0):
             raise ConfigError(f"--probe-cost-steps must be finite and ≥ 0, got {cfg.bc_probe_cost_steps}")
+        if not (math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0.0):
+            raise ConfigError(f"--learning-rate must be finite and > 0, got {cfg.learning_rate}")
+        if cfg.select_every < 0:
+            raise ConfigError(f"--select-every must be >= 0 (0 = no selection), got {cfg.select_every}")
         if not 0.0 <= cfg.drafter_mix <= 1.0:
             raise ConfigError(f"--drafter-mix must be in [0, 1], got {cfg.drafter_mix}")
         if cfg.off_draft is not None and cfg.traces is None:
@@ -966,6 +986,58 @@ def warm_start(
     return history
 
 
+# --------------------------------------------------------------------------- selection
+
+
+def validation_select(env: Any, episodes: int, every_calls: int, seed: int) -> Any:
+    """SB3's ``EvalCallback`` as the training's model selection: a ``ValidationSelect``.
+
+    It scores the deterministic policy's mean episode return on ``episodes`` validation episodes
+    of ``env`` (a VecEnv), reseeded with ``seed`` before every score so that each checkpoint
+    meets the same episodes (common random numbers: a difference between two scores is the
+    policies', not the draw's). It scores at the start of training (the warm start), every
+    ``every_calls`` callback calls (vector steps), and at the end, and keeps the best scoring
+    weights in memory (``best_state``; a checkpoint must beat the best so far strictly).
+    ``scores`` lists ``(timesteps, mean return)``.
+
+    Nothing is written or loaded from disk: the weights restored are a ``state_dict`` copy.
+    """
+    import copy
+
+    from stable_baselines3.common.callbacks import EvalCallback
+
+    class ValidationSelect(EvalCallback):
+        def __init__(self) -> None:
+            super().__init__(env, n_eval_episodes=episodes, eval_freq=every_calls, verbose=0, warn=False)
+            self.scores: list[tuple[int, float]] = []
+            self.best_state: dict[str, Any] | None = None
+            self.best_timesteps = -1
+
+        def _on_step(self) -> bool:
+            if self.eval_freq <= 0 or self.n_calls % self.eval_freq:
+                return True
+            self.eval_env.seed(seed)  # applied at evaluate_policy's reset
+            before = self.best_mean_reward
+            keep_going = bool(super()._on_step())
+            self.scores.append((self.num_timesteps, self.last_mean_reward))
+            if self.best_mean_reward > before:
+                self.best_state = copy.deepcopy(self.model.policy.state_dict())
+                self.best_timesteps = self.num_timesteps
+            return keep_going
+
+        def _on_training_start(self) -> None:
+            super()._on_training_start()
+            self._on_step()  # n_calls is 0: the warm start's score
+
+        def _on_training_end(self) -> None:
+            if not self.scores or self.scores[-1][0] != self.num_timesteps:
+                every, self.eval_freq = self.eval_freq, 1  # the final weights' score, whenever it falls
+                self._on_step()
+                self.eval_freq = every
+
+    return ValidationSelect()
+
+
 # --------------------------------------------------------------------------- train
 
 
@@ -973,7 +1045,7 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
     """Run the whole pipeline (module docstring) and write its outputs."""
     import torch
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.callbacks import BaseCallback, CallbackList
     from stable_baselines3.common.vec_env import DummyVecEnv
 
     from controller.ppo_policy import meta_for, write_metadata
@@ -1051,15 +1123,28 @@ def train(cfg: TrainConfig, log=print) -> TrainResult:
         def _on_step(self) -> bool:
             return True
 
+    select = None
     if cfg.timesteps > 0:
+        callbacks: list[BaseCallback] = [Track()]
+        if cfg.select_every > 0:
+            # Validation episodes of the training distribution under their own seed.
+            val = DummyVecEnv([factory(i) for i in range(4)])
+            select = validation_select(val, cfg.select_episodes, max(1, cfg.select_every // cfg.n_envs), cfg.seed + 7919)
+            callbacks.append(select)
         model.learn(
-            total_timesteps=cfg.timesteps, callback=Track(), progress_bar=cfg.progress, tb_log_name="ppo"
-        )
+            total_timesteps=cfg.timesteps, callback=CallbackList(callbacks), progress_bar=cfg.progress,
+            tb_log_name="ppo",
+        )  # fmt: skip
+    if select is not None and select.best_state is not None:
+        model.policy.load_state_dict(select.best_state)
+        meta = replace(meta, extra={**extra, "selected_timesteps": select.best_timesteps})
+        log(f"validation: kept the weights of step {select.best_timesteps} of {cfg.timesteps}")
     wall = time.perf_counter() - t_start
     model.save(cfg.out)
     write_metadata(cfg.out, meta)
     report = out_dir / "train_report.md"
-    report.write_text(_report(cfg, source, capacity, bc_history, history, t_bc, wall))
+    scores = select.scores if select is not None else []
+    report.write_text(_report(cfg, source, capacity, bc_history, history, t_bc, wall, scores))
     return TrainResult(cfg.out, report, cfg.timesteps, wall, history)
 
 
@@ -1071,6 +1156,7 @@ def _report(
     hist: list[dict[str, float]],
     t_bc: float,
     wall: float,
+    scores: list[tuple[int, float]] | None = None,
 ) -> str:
     lines = [
         f"# Training report: {cfg.out.name}",
@@ -1107,6 +1193,17 @@ def _report(
         step = max(1, len(hist) // 12)
         for h in hist[::step] + ([hist[-1]] if (len(hist) - 1) % step else []):
             lines.append(f"| {int(h['timesteps'])} | {h['mean_reward']:.4f} |")
+        lines.append("")
+    if scores:
+        best = max(range(len(scores)), key=lambda i: (scores[i][1], -i))  # the first of equals: strictly better wins
+        lines += [
+            f"## Selection ({cfg.select_episodes} validation episodes, the same each time; deterministic policy)",
+            "",
+            "| timesteps | mean return | kept |",
+            "|---|---|---|",
+        ]
+        for i, (t, r) in enumerate(scores):
+            lines.append(f"| {t}{' (before PPO)' if i == 0 else ''} | {r:.2f} | {'**yes**' if i == best else ''} |")
         lines.append("")
     lines += ["Resolved config: train_config.json. TensorBoard: `tensorboard --logdir tb`.", ""]
     return "\n".join(lines)

@@ -75,6 +75,84 @@ def test_training_is_reproducible_for_a_seed(trained, tmp_path):
     assert any(not np.array_equal(a[k], c[k]) for k in a), "another seed should train another policy"
 
 
+def _selection_rows(report: str) -> list[tuple[int, float, bool]]:
+    """(timesteps, mean return, kept) from a train report's Selection table."""
+    table = report[report.index("## Selection") :].split("\n\n")[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append((int(cells[0].split()[0]), float(cells[1]), cells[2] == "**yes**"))
+    return rows
+
+
+@pytest.mark.slow
+def test_the_zip_holds_the_best_scored_weights_and_the_warm_start_wins_ties(tmp_path):
+    """Train twice on one seed, with and without selection (validation never touches the
+    training's random numbers, so both runs train the same weights). The selected zip holds
+    the warm start's weights where it scored best (ties included: a checkpoint must beat it),
+    else the fine-tuned ones; unselected, the fine-tuned ones."""
+    run = replace(TINY, learning_rate=1.0, clip_range=10.0, n_epochs=10, timesteps=1024)
+    kept, final = tmp_path / "kept" / "ppo.zip", tmp_path / "final" / "ppo.zip"
+    train(replace(run, out=kept), log=lambda *_: None)
+    train(replace(run, out=final, select_every=0), log=lambda *_: None)
+    assert "## Selection" not in (final.parent / "train_report.md").read_text()
+    rows = _selection_rows((kept.parent / "train_report.md").read_text())
+    assert [t for t, _, _ in rows] == [0, 1024], "scored before PPO and at the end"
+    best = max(r for _, r, _ in rows)
+    winner = next(i for i, (_, r, _) in enumerate(rows) if r == best)
+    assert [k for _, _, k in rows] == [i == winner for i in range(len(rows))]
+    w, ws, f = _weights(kept), _weights(kept.with_name("warmstart.zip")), _weights(final)
+    assert any(not np.array_equal(f[k], ws[k]) for k in ws), "the fine-tuning changed the weights"
+    expected = ws if winner == 0 else f
+    for k in expected:
+        np.testing.assert_array_equal(w[k], expected[k], err_msg=k)
+    assert load_ppo_factory(kept, (0, 1, 2, 3, 5)).meta.extra["selected_timesteps"] == rows[winner][0]
+
+
+@pytest.mark.slow
+def test_validation_select_restores_the_better_of_two_policies():
+    """Two policies that act differently (always depth 0, then always depth 5, forced through the
+    action head's bias): the callback scores both on the same episodes and keeps the one that
+    scored higher, whichever it is."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback, CallbackList
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from agents.train import capacity_req_s, fit_model_table, fitted_params, make_env, validation_select
+
+    cfg = TINY
+    params, _ = fitted_params(cfg)
+    pool = workload_pool(np.random.default_rng(0), capacity_req_s(params, cfg.depths), cfg.n_workloads)
+    table = fit_model_table(params, cfg.depths)
+
+    def vec(n: int) -> DummyVecEnv:
+        return DummyVecEnv([lambda: make_env(params, pool, cfg, table) for _ in range(n)])
+
+    def force(model, action: int) -> None:
+        with torch.no_grad():
+            bias = model.policy.action_net.bias
+            bias.zero_()
+            bias[action] = 100.0
+
+    class ForceDepth5(BaseCallback):
+        def _on_rollout_end(self) -> None:
+            force(self.model, len(cfg.depths) - 1)
+
+        def _on_step(self) -> bool:
+            return True
+
+    model = PPO("MlpPolicy", vec(2), n_steps=64, batch_size=64, n_epochs=1, learning_rate=0.0, seed=0, device="cpu")
+    force(model, 0)
+    select = validation_select(vec(2), 4, 10**6, seed=11)
+    model.learn(total_timesteps=128, callback=CallbackList([ForceDepth5(), select]))
+    (t0, first), (t1, last) = select.scores
+    assert (t0, t1) == (0, 128) and first != last, select.scores
+    assert select.best_timesteps == (0 if first > last else 128)
+    model.policy.load_state_dict(select.best_state)
+    obs = vec(1).reset()
+    assert int(model.predict(obs, deterministic=True)[0][0]) == (0 if first > last else len(cfg.depths) - 1)
+
+
 def test_workload_pool_covers_every_regime():
     pool = workload_pool(np.random.default_rng(0), capacity=10.0, n=400)
     kinds = {w.split(":")[0] for w in pool}
@@ -186,6 +264,10 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "--probe-staleness must be in [0, 1)" in capsys.readouterr().err
     assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--off-draft", "kv"]) == 2
     assert "--off-draft describes the traced server: it needs --traces" in capsys.readouterr().err
+    assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--select-every", "-1"]) == 2
+    assert "--select-every must be >= 0" in capsys.readouterr().err
+    assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--learning-rate", "0"]) == 2
+    assert "--learning-rate must be finite and > 0" in capsys.readouterr().err
     assert not (tmp_path / "p.zip").exists()
     assert (
         main(["eval", "--deployment", "seed", "--out", str(tmp_path / "o"), "--policy", "builtin:nope"]) == 2
