@@ -33,26 +33,28 @@ sys.path.insert(0, str(REPO))
 def table_latency(zip_path: str, depths: tuple[int, ...]) -> Any:
     """``latency_fn(depth, bs, ctx_tokens, latency)`` read from the zip's table: depth 0's step
     time from ``latency`` times the table's interpolated ratio (what the policy's features read)."""
-    from controller.features import Featurizer
+    from controller.errors import PolicyLoadError
     from controller.ppo_policy import load_ppo_factory, model_features, model_inputs
     from env.latency import step_time_us
 
-    meta = load_ppo_factory(zip_path, depths).meta
+    try:
+        meta = load_ppo_factory(zip_path, depths).meta  # refuses a zip trained for other depths
+    except PolicyLoadError as e:
+        raise SystemExit(str(e)) from None
     if meta.model_table is None:
         raise SystemExit(f"{zip_path} carries no model table")
     table = np.ascontiguousarray(meta.model_table, dtype=np.float64)
-    names = Featurizer(depths, meta.featurizer_version).feature_names
-    inputs = model_inputs(depths)
-    n = len(depths)
+    inputs = model_inputs(depths)  # where the features read bs and ctx_per_req
+    obs = np.zeros(meta.obs_dim, dtype=np.float32)
+    ratio_at = {d: meta.obs_dim + i for i, d in enumerate(depths)}  # each depth's clipped log ratio
 
     def fn(depth: int, bs: int, ctx: float, latency: Any) -> float:
-        obs = np.zeros(len(names), dtype=np.float32)
-        obs[names.index("bs")] = math.log1p(bs) / math.log1p(256.0)
-        obs[names.index("ctx_per_req")] = math.log1p(ctx / max(bs, 1)) / math.log1p(32768.0)
-        ratio = model_features(obs, table, inputs)[len(names) + depths.index(depth)]  # the ±2-clipped log ratio
+        # The Featurizer's bs and ctx_per_req.
+        obs[inputs[0]] = math.log1p(bs) / math.log1p(256.0)
+        obs[inputs[1]] = math.log1p(ctx / max(bs, 1)) / math.log1p(32768.0)
+        ratio = model_features(obs, table, inputs)[ratio_at[depth]]
         return math.exp(float(ratio)) * step_time_us(latency, bs, 0, ctx)
 
-    assert n == table.shape[0]
     return fn
 
 
