@@ -98,6 +98,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "gives up on the fitted model (default 400; 0: a fixed staleness; docs/results.md has a comparison)",
     )
     t.add_argument(
+        "--probe-gate",
+        type=float,
+        default=None,
+        help="probe only where some depth would beat depth 0 on the fitted model for a drafter "
+        "accepting this fraction per position (default 0.8; 0 = probe everywhere)",
+    )
+    t.add_argument(
         "--off-draft",
         choices=("kv", "keep", "skip"),
         default=None,

@@ -108,6 +108,14 @@ class TrainConfig:
         n_workloads: size of the per-episode workload pool drawn at start.
         bc_rounds: DAgger rounds of the warm start (0 = plain PPO from scratch).
         bc_states: states collected per round.
+        bc_explore_first: the share of random actions in round 1 (the expert's rollout), which
+            covers the states a decent policy's mistakes lead to.
+        bc_explore_later: the share of random actions in later rounds (the network's own
+            rollouts): 0. A random action drafts 4 times in 5 and so resets
+            ``spec_staleness``: at 0.1 (before) the long stretches at depth 0 in which the
+            expert probes the drafter were 0.2-0.4% of the cloned states, and the network never
+            learned the probe (on ``llama8b/drafter-alt-c8`` it resumed drafting about 2 s
+            after the drafter turned good, later than ``goodput-fit``).
         bc_expert: weight of the clairvoyant oracle in the cloning labels; the rest is the
             realistic expert, the fitted model's goodput on the observed acceptance (the
             ``model_features``): the oracle alone cannot teach looking for information it
@@ -122,6 +130,11 @@ class TrainConfig:
             without drafting, postponed by ``bc_probe_cost_steps``; 0 = no probe), and keep
             drafting there while the estimate is rising (``accept_trend`` > 0) and within
             ``bc_probe_keep`` of depth 0's goodput.
+        bc_probe_gate: the probe runs only where some drafting depth would beat depth 0 on the
+            model's step times for a drafter accepting this fraction per position (0.8, a good
+            drafter); 0 = everywhere. Where no drafter could pay (large batches and long
+            contexts on the H200 fits) a probe only costs: 1.5-2.5% on the suite's open-loop
+            waves once the network learned it.
         bc_probe_depth: the depth a probe drafts at.
         bc_probe_keep: goodput ratio (to depth 0) above which a rising probe continues.
         bc_probe_cost_steps: postpone the probe by this many steps × the share of depth 0's
@@ -174,6 +187,8 @@ class TrainConfig:
     n_workloads: int = 400
     bc_rounds: int = 3
     bc_states: int = 40_000
+    bc_explore_first: float = 0.3
+    bc_explore_later: float = 0.0
     bc_epochs: int = 20
     save_warm_start: bool = True
     reward: str = "objective"
@@ -184,6 +199,7 @@ class TrainConfig:
     bc_probe_depth: int = 2
     bc_probe_keep: float = 0.85
     bc_probe_cost_steps: float = 400.0
+    bc_probe_gate: float = 0.8
     objective: str = "throughput"
     slo_credit: str = "step"
     bc_slo_labels: str = "step"
@@ -215,6 +231,7 @@ class TrainConfig:
             ("slo_credit", "slo_credit"),
             ("probe_staleness", "bc_probe_staleness"),
             ("probe_cost_steps", "bc_probe_cost_steps"),
+            ("probe_gate", "bc_probe_gate"),
             ("off_draft", "off_draft"),
         ):
             value = getattr(args, flag, None)
@@ -236,6 +253,8 @@ class TrainConfig:
             raise ConfigError(f"--probe-staleness must be in [0, 1), got {cfg.bc_probe_staleness}")
         if not (math.isfinite(cfg.bc_probe_cost_steps) and cfg.bc_probe_cost_steps >= 0.0):
             raise ConfigError(f"--probe-cost-steps must be finite and ≥ 0, got {cfg.bc_probe_cost_steps}")
+        if not 0.0 <= cfg.bc_probe_gate < 1.0:
+            raise ConfigError(f"--probe-gate must be in [0, 1), got {cfg.bc_probe_gate}")
         if not (math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0.0):
             raise ConfigError(f"--learning-rate must be finite and > 0, got {cfg.learning_rate}")
         if cfg.select_every < 0:
@@ -786,7 +805,10 @@ class ProbeRule:
     one step moves the estimate too little to switch (a weak prior of 2 request-positions),
     so while the last step ran at that depth, the accepted fraction is rising and the
     estimated goodput there is within ``keep`` of depth 0's, it drafts again. A drafter that
-    stays bad ends the probe within a few steps (the trend turns down)."""
+    stays bad ends the probe within a few steps (the trend turns down). It probes only where
+    some drafting depth d would pay for a good drafter: where the model's log(step time at d /
+    at 0) is below ``gate_logs[d]``, the log of the tokens a step at d emits when each position
+    is accepted with probability ``bc_probe_gate`` (empty: everywhere)."""
 
     stale_idx: int
     trend_idx: int
@@ -795,6 +817,7 @@ class ProbeRule:
     staleness: float
     keep: float
     cost_steps: float = 0.0
+    gate_logs: tuple[float, ...] = ()
 
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> ProbeRule | None:
@@ -813,6 +836,9 @@ class ProbeRule:
             cfg.bc_probe_staleness,
             cfg.bc_probe_keep,
             cfg.bc_probe_cost_steps,
+            tuple(math.log(sum(cfg.bc_probe_gate**i for i in range(d + 1))) for d in cfg.depths)
+            if cfg.bc_probe_gate > 0
+            else (),
         )
 
     def threshold(self, rel: np.ndarray) -> float:
@@ -826,9 +852,16 @@ class ProbeRule:
         return 1.0 - math.exp(-steps / SPEC_STALENESS_STEPS)
 
     def probes(self, obs: np.ndarray, rel: np.ndarray) -> bool:
-        """Whether the expert probes in this state (``rel``: its relative goodput per depth)."""
+        """Whether the expert probes in this state (``rel``: its relative goodput per depth;
+        ``obs`` with the model features, whose log step-time ratios are its ``2n``-th to
+        ``n``-th last entries, as :func:`_estimated_rel` reads the goodputs after them)."""
         if int(np.argmax(rel)) != 0:
             return False
+        if self.gate_logs:
+            n = len(rel)
+            lat = obs[-2 * n : -n]
+            if not any(self.gate_logs[k] > lat[k] for k in range(1, n)):
+                return False
         if obs[self.stale_idx] >= self.threshold(rel):
             return True
         return bool(obs[self.onehot_idx] > 0.5 and obs[self.trend_idx] > 0 and rel[self.action] >= self.keep * rel[0])
@@ -941,20 +974,19 @@ def warm_start(
     rel_all: list[np.ndarray] = []
     w_all: list[np.ndarray] = []
     for r in range(cfg.bc_rounds):
-        # Round 1: the oracle with 30% random actions, covering the states a decent policy visits
-        # and the ones its mistakes lead to (stale drafter after depth 0, queues after deep steps).
-        # Later rounds: the current network with 10% random actions (DAgger).
+        # Round 1: the expert with bc_explore_first random actions, covering the states a decent
+        # policy visits and the ones its mistakes lead to (queues after deep steps). Later
+        # rounds: the current network as it will be served (DAgger), bc_explore_later random.
         mlp = _serving_actor(model) if r > 0 else None  # ~30× faster than a torch forward per step
+        explore = cfg.bc_explore_first if r == 0 else cfg.bc_explore_later
 
-        def act(obs: np.ndarray, rates: np.ndarray, mlp: Any = mlp) -> int:
+        def act(obs: np.ndarray, rates: np.ndarray, mlp: Any = mlp, explore: float = explore) -> int:
+            if explore > 0.0 and rng.random() < explore:
+                return int(rng.integers(n_act))
             if mlp is None:
-                if rng.random() < 0.3:
-                    return int(rng.integers(n_act))
                 if cfg.bc_expert < 1.0 and rng.random() >= cfg.bc_expert:
                     return int(np.argmax(_expert_rel(obs, n_act, probe)))
                 return int(np.argmax(rates))
-            if rng.random() < 0.1:
-                return int(rng.integers(n_act))
             return int(mlp.act(obs))
 
         t0 = time.perf_counter()

@@ -65,7 +65,9 @@ class PPOMeta:
             ``[depth][bs grid][ctx grid]`` of log(step time at that depth / at depth 0) over
             :data:`MODEL_BS_GRID` × :data:`MODEL_CTX_GRID` (the observation's ``bs`` and
             ``ctx_per_req`` features); the MLP input then carries :func:`model_features`
-            after the observation. None: the observation alone (older zips).
+            after the observation. The bs grid is read from the table (any number of even
+            steps over the same range), so zips with the older 19-point grid still load.
+            None: the observation alone (older zips).
         objective: what the policy was trained for, as ``--objective`` spells it
             (:mod:`controller.objective`: ``throughput`` or ``slo:TPOT_MS``); zips from before
             the key existed were trained for throughput.
@@ -141,14 +143,22 @@ class PPOMeta:
         except ControllerError as exc:
             raise PolicyLoadError(f"{META_NAME}: objective: {exc}") from None
         if meta.model_table is not None:
-            shape = (len(meta.depths), len(MODEL_BS_GRID), len(MODEL_CTX_GRID))
             got = (
                 len(meta.model_table),
                 len(meta.model_table[0]) if meta.model_table else 0,
                 len(meta.model_table[0][0]) if meta.model_table and meta.model_table[0] else 0,
             )
-            if got != shape or any(len(r) != shape[2] for t in meta.model_table for r in t):
-                raise PolicyLoadError(f"{META_NAME}: model_table has shape {got}, expected {shape}")
+            # The bs grid's size is the zip's own (model_features reads it from the table).
+            shape = (len(meta.depths), max(got[1], 2), len(MODEL_CTX_GRID))
+            if (
+                got != shape
+                or any(len(t) != shape[1] for t in meta.model_table)
+                or any(len(r) != shape[2] for t in meta.model_table for r in t)
+            ):
+                raise PolicyLoadError(
+                    f"{META_NAME}: model_table has shape {got}, expected "
+                    f"({shape[0]}, ≥ 2 batch sizes, {shape[2]})"
+                )
         return meta
 
 
@@ -162,7 +172,14 @@ def _table(raw: Any) -> tuple[tuple[tuple[float, ...], ...], ...] | None:
 
 # Grids of the model table, in the observation's own units: ``bs`` = log1p(bs)/log1p(256)
 # (batch 1 … ~512) and ``ctx_per_req`` = log1p(ctx/bs)/log1p(32768) (0 … 32k tokens).
-MODEL_BS_GRID: Final = tuple(i * 1.125 / 18 for i in range(19))
+# 145 batch-size points (a step of 0.0078) price every batch size up to 12 exactly and the
+# rest to 32 within 4%: a drafted step's cost jumps from one batch size to the next where the
+# verify's extend kernel starts another wave of requests (``env.latency._extend_kernel``: every
+# ~4 on the H200 fits), and with 19 points (before) the h200-llama8b table interpolated depth
+# 5's cost at batch 8 between batches 7 and 10, 4-7% above the fit's, which kept a policy at
+# depth 0 for seconds after the drafter turned good (docs/results.md, "Why PPO trailed
+# goodput-fit").
+MODEL_BS_GRID: Final = tuple(i * 1.125 / 144 for i in range(145))
 MODEL_CTX_GRID: Final = tuple(i / 10 for i in range(11))
 
 

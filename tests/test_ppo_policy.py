@@ -23,9 +23,13 @@ from controller.features import FEATURIZER_VERSION, Featurizer
 from controller.policy import FusedPolicy, ServingFactory
 from controller.ppo_policy import (
     META_NAME,
+    MODEL_BS_GRID,
+    MODEL_CTX_GRID,
     PPOMeta,
     load_ppo_factory,
     meta_for,
+    model_features,
+    model_inputs,
     read_ppo_zip,
     tanh32,
     write_metadata,
@@ -300,6 +304,47 @@ def test_meta_json_round_trip():
     assert PPOMeta.from_json(meta.to_json()) == meta
     with pytest.raises(PolicyLoadError, match="malformed"):
         PPOMeta.from_json('{"format": 1}')
+
+
+def test_a_model_table_of_any_batch_grid_loads_and_a_ragged_one_is_refused():
+    """The bs grid's size is the zip's own: zips with the older 19-point table keep loading."""
+    nc = len(MODEL_CTX_GRID)
+    for nb in (19, len(MODEL_BS_GRID)):
+        table = [[[0.1 * k] * nc for _ in range(nb)] for k in range(len(DEPTHS))]
+        meta = meta_for(DEPTHS, (64, 64), model_table=table)
+        back = PPOMeta.from_json(meta.to_json())
+        assert back.model_table is not None and len(back.model_table[0]) == nb
+    ragged = [[[0.0] * nc for _ in range(19 if k else 20)] for k in range(len(DEPTHS))]
+    with pytest.raises(PolicyLoadError, match="model_table has shape"):
+        PPOMeta.from_json(meta_for(DEPTHS, (64, 64), model_table=ragged).to_json())
+    short_ctx = [[[0.0] * (nc - 1) for _ in range(19)] for _ in DEPTHS]
+    with pytest.raises(PolicyLoadError, match="model_table has shape"):
+        PPOMeta.from_json(meta_for(DEPTHS, (64, 64), model_table=short_ctx).to_json())
+
+
+def test_the_model_table_prices_small_batches_as_the_fit_does():
+    """Each batch size to 12 reads the fitted model's own step-time ratio from the table (a
+    drafted step's cost jumps where the verify's extend kernel starts another wave), the rest to
+    32 within 5%: with 19 points, batch 8 on h200-llama8b read 4-7% dear."""
+    import math
+
+    from agents.train import fit_model_table
+    from env.deployments import load_deployment
+    from env.latency import step_time_us
+
+    params = load_deployment("h200-llama8b")
+    table = fit_model_table(params, DEPTHS)
+    names = Featurizer(DEPTHS).feature_names
+    inputs = model_inputs(DEPTHS)
+    per_req = math.expm1(0.7 * math.log1p(32768.0))  # a ctx grid point: only bs interpolates
+    for bs in range(1, 33):
+        obs = np.zeros(len(names), dtype=np.float32)
+        obs[names.index("bs")] = math.log1p(bs) / math.log1p(256.0)
+        obs[names.index("ctx_per_req")] = 0.7
+        lat = model_features(obs, table, inputs)[len(names) : len(names) + len(DEPTHS)]
+        t0 = step_time_us(params.latency, bs, 0, bs * per_req)
+        fit = [math.log(step_time_us(params.latency, bs, d, bs * per_req) / t0) for d in DEPTHS]
+        np.testing.assert_allclose(lat, fit, atol=1e-5 if bs <= 12 else 0.05, err_msg=f"bs={bs}")
 
 
 def test_the_compiled_tanh_stays_within_5e_7_of_the_exact_one():

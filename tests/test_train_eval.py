@@ -359,6 +359,21 @@ def test_the_realistic_experts_probe_drafts_after_a_stretch_at_depth_0_and_ends_
     assert not rule.probes(obs, at_zero)
     obs[names.index("accept_trend")] = 0.05
     assert not rule.probes(obs, np.array([1.0, 0.7, 0.8, 0.8, 0.6]))  # depth 2 far below depth 0
+    # The gate: no probe where no drafting depth could pay for a good drafter on the model's
+    # step times (log ratios, the 2n-th to n-th last entries), however stale the estimate.
+    n = len(cfg.depths)
+    obs[names.index("depth=2")] = 0.0
+    obs[names.index("spec_staleness")] = 0.95
+    lat = slice(len(obs) - 2 * n + 1, len(obs) - n)
+    obs[lat] = 1.2  # depths 1-3 cost 3.3× a plain step: 0.8 per position gives at most 2.95 tokens
+    obs[len(obs) - 2 * n + cfg.depths.index(5)] = 2.0
+    assert rule.gate_logs and not rule.probes(obs, at_zero)
+    obs[len(obs) - 2 * n + 1] = 0.5  # depth 1 at 1.65× a plain step: 1.8 tokens would pay
+    assert rule.probes(obs, at_zero)
+    ungated = ProbeRule.for_config(replace(cfg, bc_probe_gate=0.0))
+    assert ungated is not None and not ungated.gate_logs
+    obs[lat] = 2.0
+    assert ungated.probes(obs, at_zero) and not rule.probes(obs, at_zero)
     assert ProbeRule.for_config(replace(cfg, bc_probe_staleness=0.0)) is None
     with pytest.raises(ConfigError, match="bc_probe_depth 4"):
         ProbeRule.for_config(replace(cfg, bc_probe_depth=4))
