@@ -262,6 +262,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "must name a .zip" in capsys.readouterr().err
     assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--probe-staleness", "1"]) == 2
     assert "--probe-staleness must be in [0, 1)" in capsys.readouterr().err
+    assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--probe-gate", "1.5"]) == 2
+    assert "--probe-gate must be in [0, 1), got 1.5" in capsys.readouterr().err
     assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--off-draft", "kv"]) == 2
     assert "--off-draft describes the traced server: it needs --traces" in capsys.readouterr().err
     assert main(["train", "--deployment", "seed", "--out", str(tmp_path / "p.zip"), "--select-every", "-1"]) == 2
