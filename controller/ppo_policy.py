@@ -149,15 +149,14 @@ class PPOMeta:
                 len(meta.model_table[0][0]) if meta.model_table and meta.model_table[0] else 0,
             )
             # The bs grid's size is the zip's own (model_features reads it from the table).
-            shape = (len(meta.depths), max(got[1], 2), len(MODEL_CTX_GRID))
+            nd, nb, nc = len(meta.depths), got[1], len(MODEL_CTX_GRID)
             if (
-                got != shape
-                or any(len(t) != shape[1] for t in meta.model_table)
-                or any(len(r) != shape[2] for t in meta.model_table for r in t)
+                got[0] != nd
+                or nb < 2
+                or any(len(t) != nb or any(len(r) != nc for r in t) for t in meta.model_table)
             ):
                 raise PolicyLoadError(
-                    f"{META_NAME}: model_table has shape {got}, expected "
-                    f"({shape[0]}, ≥ 2 batch sizes, {shape[2]})"
+                    f"{META_NAME}: model_table has shape {got}, expected ({nd}, ≥ 2 batch sizes, {nc})"
                 )
         return meta
 
