@@ -172,7 +172,7 @@ def _table(raw: Any) -> tuple[tuple[tuple[float, ...], ...], ...] | None:
 # Grids of the model table, in the observation's own units: ``bs`` = log1p(bs)/log1p(256)
 # (batch 1 … ~512) and ``ctx_per_req`` = log1p(ctx/bs)/log1p(32768) (0 … 32k tokens).
 # 145 batch-size points (a step of 0.0078) price every batch size up to 12 exactly and the
-# rest to 32 within 4%: a drafted step's cost jumps from one batch size to the next where the
+# rest to 32 within 4.4%: a drafted step's cost jumps from one batch size to the next where the
 # verify's extend kernel starts another wave of requests (``env.latency._extend_kernel``: every
 # ~4 on the H200 fits), and with 19 points (before) the h200-llama8b table interpolated depth
 # 5's cost at batch 8 between batches 7 and 10, 4-7% above the fit's, which kept a policy at
