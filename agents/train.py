@@ -729,15 +729,16 @@ def fit_model_table(params: Any, depths: tuple[int, ...]) -> np.ndarray:
     """The fitted latency model as the table a policy carries (``PPOMeta.model_table``):
     log(step time at each depth / at depth 0) over the observation's ``bs`` × ``ctx_per_req``
     grids, through ``env.latency.step_time_us`` (whatever terms the model has)."""
+    from controller.features import decode_bs, decode_ctx
     from controller.ppo_policy import MODEL_BS_GRID, MODEL_CTX_GRID
     from env.latency import step_time_us
 
     lat = params.latency
     out = np.zeros((len(depths), len(MODEL_BS_GRID), len(MODEL_CTX_GRID)))
     for j, xb in enumerate(MODEL_BS_GRID):
-        bs = max(1, int(round(math.expm1(xb * math.log1p(256.0)))))
+        bs = max(1, int(round(decode_bs(xb))))
         for c, xc in enumerate(MODEL_CTX_GRID):
-            ctx = bs * math.expm1(xc * math.log1p(32768.0))
+            ctx = bs * decode_ctx(xc)
             t0 = step_time_us(lat, bs, depths[0], ctx)
             for i, d in enumerate(depths):
                 out[i, j, c] = math.log(step_time_us(lat, bs, d, ctx) / t0)

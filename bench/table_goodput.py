@@ -34,6 +34,7 @@ def table_latency(zip_path: str, depths: tuple[int, ...]) -> Any:
     """``latency_fn(depth, bs, ctx_tokens, latency)`` read from the zip's table: depth 0's step
     time from ``latency`` times the table's interpolated ratio (what the policy's features read)."""
     from controller.errors import PolicyLoadError
+    from controller.features import encode_bs, encode_ctx
     from controller.ppo_policy import load_ppo_factory, model_features, model_inputs
     from env.latency import step_time_us
 
@@ -50,8 +51,8 @@ def table_latency(zip_path: str, depths: tuple[int, ...]) -> Any:
 
     def fn(depth: int, bs: int, ctx: float, latency: Any) -> float:
         # The Featurizer's bs and ctx_per_req.
-        obs[inputs[0]] = math.log1p(bs) / math.log1p(256.0)
-        obs[inputs[1]] = math.log1p(ctx / max(bs, 1)) / math.log1p(32768.0)
+        obs[inputs[0]] = encode_bs(bs)
+        obs[inputs[1]] = encode_ctx(ctx / max(bs, 1))
         ratio = model_features(obs, table, inputs)[ratio_at[depth]]
         return math.exp(float(ratio)) * step_time_us(latency, bs, 0, ctx)
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
@@ -101,8 +101,11 @@ SPEC_STALENESS_STEPS = 50.0  # spec_staleness = 1 − exp(−steps without draft
 FAST, SLOW = 0.3, 0.03
 LAT_ALPHA = 0.2
 
-_INV_LOG_257 = 1.0 / math.log1p(256.0)
-_INV_LOG_CTX = 1.0 / math.log1p(32768.0)
+# The observation's log scales: a feature is log1p(x) / log1p(top), 1.0 at x = top.
+_LOG_BS = math.log1p(256.0)  # ``bs`` and ``waiting``
+_LOG_CTX = math.log1p(32768.0)  # ``ctx_per_req``
+_INV_LOG_BS = 1.0 / _LOG_BS
+_INV_LOG_CTX = 1.0 / _LOG_CTX
 _INV_LOG_PREFILL = 1.0 / math.log1p(8192.0)
 _INV_LOG_MS = 1.0 / math.log1p(1000.0)
 
@@ -119,6 +122,75 @@ _INV_LOG_MS = 1.0 / math.log1p(1000.0)
  _LAT_DECODE_ONLY, _LAT_LAG, _PEND_DI, _PEND_ROW, _PEND_US, _PEND_T, _RESUME, _PREV_DEPTH) = range(18)  # fmt: skip
 _HEAD = 18
 _NEVER = -1e9  # "step index" of something never seen: every staleness feature reads 1
+
+
+@maybe_njit
+def _encode_bs1(bs: float) -> float:
+    return math.log1p(bs) * _INV_LOG_BS
+
+
+@maybe_njit
+def _encode_ctx1(tokens: float) -> float:
+    return math.log1p(tokens) * _INV_LOG_CTX
+
+
+def _decode_bs1(x: float) -> float:
+    return math.expm1(x * _LOG_BS)
+
+
+def _decode_ctx1(x: float) -> float:
+    return math.expm1(x * _LOG_CTX)
+
+
+def _elementwise(fn: Callable[[float], float], x: float | np.ndarray) -> Any:
+    """``fn`` (plain Python, even where numba compiled it) of a number, or of each entry of an
+    array: a float64 array of the same shape, each entry exactly ``fn`` of it as a number."""
+    py = getattr(fn, "py_func", fn)
+    if isinstance(x, np.ndarray):
+        flat = np.fromiter(map(py, x.ravel().tolist()), dtype=np.float64, count=x.size)
+        return flat.reshape(x.shape)
+    return float(py(x))
+
+
+@overload
+def encode_bs(bs: float) -> float: ...
+@overload
+def encode_bs(bs: np.ndarray) -> np.ndarray: ...
+def encode_bs(bs: float | np.ndarray) -> float | np.ndarray:
+    """A batch size (or queue length) in the observation's units: the ``bs`` and ``waiting``
+    features, ``log1p(bs) / log1p(256)`` (0 at 0, 1 at 256). The Featurizer computes them with
+    this formula, bit for bit, before their rounding to float32. Numbers give a float, arrays
+    a float64 array of the same values entry by entry."""
+    return _elementwise(_encode_bs1, bs)
+
+
+@overload
+def decode_bs(x: float) -> float: ...
+@overload
+def decode_bs(x: np.ndarray) -> np.ndarray: ...
+def decode_bs(x: float | np.ndarray) -> float | np.ndarray:
+    """The batch size whose :func:`encode_bs` is ``x`` (a float, not rounded)."""
+    return _elementwise(_decode_bs1, x)
+
+
+@overload
+def encode_ctx(tokens: float) -> float: ...
+@overload
+def encode_ctx(tokens: np.ndarray) -> np.ndarray: ...
+def encode_ctx(tokens: float | np.ndarray) -> float | np.ndarray:
+    """Context tokens per request in the observation's units: the ``ctx_per_req`` feature of
+    ``tokens = ctx_tokens / bs``, ``log1p(tokens) / log1p(32768)`` (0 at 0, 1 at 32768). As
+    :func:`encode_bs`: the Featurizer's own formula, numbers or arrays."""
+    return _elementwise(_encode_ctx1, tokens)
+
+
+@overload
+def decode_ctx(x: float) -> float: ...
+@overload
+def decode_ctx(x: np.ndarray) -> np.ndarray: ...
+def decode_ctx(x: float | np.ndarray) -> float | np.ndarray:
+    """The context tokens per request whose :func:`encode_ctx` is ``x`` (a float)."""
+    return _elementwise(_decode_ctx1, x)
 
 
 def bs_bucket(bs: int) -> int:
@@ -487,7 +559,7 @@ def _fold(
         else:
             st[_PEND_DI] = -1.0
 
-    bs_f = math.log1p(bs) * _INV_LOG_257
+    bs_f = _encode_bs1(bs)
     if st[_HAS_LAST] == 0.0:
         st[_HAS_LAST] = 1.0
         st[_STEP_MS] = step_us / 1000.0
@@ -502,9 +574,9 @@ def _fold(
 
     out = np.zeros(10 + 2 * n + k + 3 * n, dtype=np.float32)
     out[0] = bs_f
-    out[1] = math.log1p(waiting) * _INV_LOG_257
+    out[1] = _encode_bs1(waiting)
     out[2] = waiting / (bs + waiting)
-    out[3] = math.log1p(ctx_tokens / bs) * _INV_LOG_CTX
+    out[3] = _encode_ctx1(ctx_tokens / bs)
     out[4] = kv_usage
     out[5] = math.log1p(st[_PREFILL]) * _INV_LOG_PREFILL
     out[6] = math.log1p(st[_STEP_MS]) * _INV_LOG_MS

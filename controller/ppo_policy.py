@@ -169,8 +169,9 @@ def _table(raw: Any) -> tuple[tuple[tuple[float, ...], ...], ...] | None:
 
 # --------------------------------------------------------------------------- model features
 
-# Grids of the model table, in the observation's own units: ``bs`` = log1p(bs)/log1p(256)
-# (batch 1 … ~512) and ``ctx_per_req`` = log1p(ctx/bs)/log1p(32768) (0 … 32k tokens).
+# Grids of the model table, in the observation's own units: ``bs`` (``encode_bs`` of the batch
+# size: batch 1 … ~512) and ``ctx_per_req`` (``encode_ctx`` of ctx/bs: 0 … 32k tokens), both in
+# controller.features.
 # 145 batch-size points (a step of 0.0078) price every batch size up to 12 exactly and the
 # rest to 32 within 4.4%: a drafted step's cost jumps from one batch size to the next where the
 # verify's extend kernel starts another wave of requests (``env.latency._extend_kernel``: every

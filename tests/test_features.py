@@ -11,12 +11,18 @@ import pytest
 
 from controller.features import (
     ACCEPT_DECAY,
+    FAST,
     FEATURIZER_VERSION,
     PRIOR_ACCEPT,
     PRIOR_WEIGHT,
+    SLOW,
     STALE_DECAY,
     Featurizer,
     bs_bucket,
+    decode_bs,
+    decode_ctx,
+    encode_bs,
+    encode_ctx,
 )
 from controller.protocol import Step
 
@@ -139,15 +145,67 @@ def test_simple_features_known_values() -> None:
     f = Featurizer(DEPTHS)
     idx = names(f)
     obs = f.update(step(0, 3, [0, 1, 2, 3], waiting=12, ctx_tokens=4 * 2047, kv_usage=0.75, step_us=4000))
-    assert obs[idx["bs"]] == pytest.approx(math.log1p(4) / math.log1p(256), rel=1e-6)
-    assert obs[idx["waiting"]] == pytest.approx(math.log1p(12) / math.log1p(256), rel=1e-6)
+    assert obs[idx["bs"]] == pytest.approx(encode_bs(4), rel=1e-6)
+    assert obs[idx["waiting"]] == pytest.approx(encode_bs(12), rel=1e-6)
     assert obs[idx["queue_frac"]] == pytest.approx(12 / 16)
-    assert obs[idx["ctx_per_req"]] == pytest.approx(math.log1p(2047) / math.log1p(32768), rel=1e-6)
+    assert obs[idx["ctx_per_req"]] == pytest.approx(encode_ctx(2047), rel=1e-6)
     assert obs[idx["kv_usage"]] == pytest.approx(0.75)
     assert obs[idx["step_ms"]] == pytest.approx(math.log1p(4.0) / math.log1p(1000), rel=1e-6)
     assert [obs[idx[f"depth={d}"]] for d in DEPTHS] == [0, 0, 0, 1, 0]
     assert obs[idx["spec_staleness"]] == 0.0
     assert obs[idx["bs_trend"]] == 0.0  # fast and slow EMAs start equal
+
+
+def test_the_scales_are_the_documented_ones_and_decode_inverts_encode() -> None:
+    """``bs``/``waiting`` read log1p(x)/log1p(256) and ``ctx_per_req`` log1p(x)/log1p(32768)
+    (module docstring); decode gives back what was encoded, for numbers and arrays alike."""
+    assert encode_bs(0) == 0.0 and encode_ctx(0.0) == 0.0
+    assert encode_bs(256) == pytest.approx(1.0, rel=1e-15)
+    assert encode_ctx(32768) == pytest.approx(1.0, rel=1e-15)
+    assert encode_bs(4) == pytest.approx(math.log(5) / math.log(257), rel=1e-15)
+    assert encode_ctx(2047) == pytest.approx(math.log(2048) / math.log(32769), rel=1e-15)
+    for n in range(0, 1025):
+        assert round(decode_bs(encode_bs(n))) == n
+        assert decode_bs(encode_bs(n)) == pytest.approx(n, rel=1e-12, abs=1e-12)
+    for tokens in (0.0, 0.5, 1.0, 3.7, 1000.0, 2047.0, 32768.0, 1e6):
+        assert decode_ctx(encode_ctx(tokens)) == pytest.approx(tokens, rel=1e-12, abs=1e-12)
+    for x in (0.0, 0.3, 0.7, 1.0, 1.125):
+        assert encode_bs(decode_bs(x)) == pytest.approx(x, abs=1e-14)
+        assert encode_ctx(decode_ctx(x)) == pytest.approx(x, abs=1e-14)
+    # Arrays: float64 of the shape given, each entry exactly the number's (float32 in too).
+    for fn, x in (
+        (encode_bs, np.array([[1, 2], [64, 300]], dtype=np.int64)),
+        (encode_ctx, np.array([0.0, 2.5, 1e4], dtype=np.float32)),
+        (decode_bs, np.linspace(0.0, 1.125, 145)),
+        (decode_ctx, np.linspace(0.0, 1.0, 11)),
+    ):
+        got = fn(x)
+        assert isinstance(got, np.ndarray) and got.dtype == np.float64 and got.shape == x.shape
+        assert got.ravel().tolist() == [fn(v) for v in x.ravel().tolist()]
+
+
+def test_the_observation_uses_the_encode_scales_bit_for_bit() -> None:
+    """The Featurizer's ``bs``, ``waiting`` and ``ctx_per_req`` are encode_bs / encode_ctx of
+    the record, to the float32 bit, and its ``bs_trend`` starts from encode_bs too."""
+    rnd = random.Random(11)
+    f = Featurizer(DEPTHS)
+    idx = names(f)
+    seen = set()
+    for seq in range(300):
+        bs = rnd.choice((1, 2, 3, 7, 8, 33, 100, 255, 256, 257, 511, 4096))
+        waiting = rnd.choice((0, 1, 5, 12, 200, 1000))
+        ctx = rnd.randint(0, 40_000) * bs
+        obs = f.update(step(seq, 0, [], bs=bs, waiting=waiting, ctx_tokens=ctx))
+        assert obs[idx["bs"]] == np.float32(encode_bs(bs)), bs
+        assert obs[idx["waiting"]] == np.float32(encode_bs(waiting)), waiting
+        assert obs[idx["ctx_per_req"]] == np.float32(encode_ctx(ctx / bs)), (ctx, bs)
+        seen.add(bs)
+    assert len(seen) > 8
+    f = Featurizer(DEPTHS)
+    f.update(step(0, 0, [], bs=5))
+    obs = f.update(step(1, 0, [], bs=40))
+    # fast − slow EMA of the bs feature after one move from 5 to 40 requests
+    assert obs[idx["bs_trend"]] == pytest.approx((FAST - SLOW) * (encode_bs(40) - encode_bs(5)), rel=1e-6)
 
 
 def test_acceptance_per_position_one_batch_known_values() -> None:

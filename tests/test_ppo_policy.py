@@ -329,6 +329,7 @@ def test_the_model_table_prices_small_batches_as_the_fit_does():
     import math
 
     from agents.train import fit_model_table
+    from controller.features import decode_ctx, encode_bs
     from env.deployments import load_deployment
     from env.latency import step_time_us
 
@@ -336,10 +337,10 @@ def test_the_model_table_prices_small_batches_as_the_fit_does():
     table = fit_model_table(params, DEPTHS)
     names = Featurizer(DEPTHS).feature_names
     inputs = model_inputs(DEPTHS)
-    per_req = math.expm1(0.7 * math.log1p(32768.0))  # a ctx grid point: only bs interpolates
+    per_req = decode_ctx(0.7)  # a ctx grid point: only bs interpolates
     for bs in range(1, 33):
         obs = np.zeros(len(names), dtype=np.float32)
-        obs[names.index("bs")] = math.log1p(bs) / math.log1p(256.0)
+        obs[names.index("bs")] = encode_bs(bs)
         obs[names.index("ctx_per_req")] = 0.7
         lat = model_features(obs, table, inputs)[len(names) : len(names) + len(DEPTHS)]
         t0 = step_time_us(params.latency, bs, 0, bs * per_req)
