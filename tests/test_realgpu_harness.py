@@ -1084,6 +1084,14 @@ def test_trace_points_splits_points_and_reads_decode_admissions_and_depths(tmp_p
     resume = [dict(s, accept=[0] * s["bs"]) if i == 8 else s for i, s in enumerate(second)]
     assert trace_points.describe(resume)["resumed"] == (0.0, 1)  # a resume whose drafts were all lost
     assert d["pairs"][0] == 0  # the resume has no drafted step before its depth-0 run
+    # One request at a time: the scheduler idles between requests, and the first decode after
+    # it is timed from its own launch, after the prefill: its admission is not timed, left out.
+    lone = [step(10.0 * (i + 1), 4_000, 1, 0) for i in range(4)]  # 6 ms idle before each record
+    lone[2]["prefill_tokens"] = 256
+    assert trace_points.after_idle(lone, 2) and not trace_points.after_idle(second, 7)
+    assert trace_points.describe(lone)["admissions"] == 0
+    lone[2]["ts_ns"] = lone[1]["ts_ns"] + 4_000_000  # busy: it starts where the one before ended
+    assert trace_points.describe(lone)["admissions"] == 1
     toggled = [step(t + i, 5_000, 4, depth, 0, (1, 1, 0, 0) if depth else ()) for i, depth in enumerate((3, 0, 0, 3, 3))]
     toggled[3]["accept"] = [0, 0, 0, 0]  # a cold resume between two drafted steps accepting half
     assert trace_points.resume_pairs(toggled) == (1, 0.5, 0.0, 0.5)

@@ -11,7 +11,9 @@ more than ``--gap-ms``), this prints:
 - ``decode``: the median step at the full batch without an admission, and ``admit``: the mean
   extra time per admission (a step whose record carries ``prefill_tokens``, with the step before
   it: under the overlap scheduler an admission's time can land in the record before the one
-  that counts its tokens), against two such decode steps; mean and median;
+  that counts its tokens), against two such decode steps; mean and median. An admission whose
+  record starts after a gap (:func:`after_idle`: the scheduler idled, so its prefill ran
+  before the record's own launch, untimed) is left out: at one request every admission is;
 - ``first draft accepted``: the share of requests whose first draft token was accepted, on the
   drafted steps right after a depth-0 step (a resume) and on the other drafted steps. With the
   off switch's ``kv`` drafter resumed cold the first proposal after a resume comes from a stale
@@ -95,6 +97,18 @@ def clean_steps(point: list[dict]) -> list[int]:
     return [i for i in range(len(point)) if not admit[i] and (i == 0 or not admit[i - 1])]
 
 
+IDLE_GAP_US = 500
+"""A record that starts this long after the one before ended follows an idle scheduler: the hook
+timed it from its own launch (``Scheduler.on_idle``), so an admission before it is not in it."""
+
+
+def after_idle(point: list[dict], i: int) -> bool:
+    """Whether step ``i`` starts :data:`IDLE_GAP_US` or more after step ``i - 1`` ended (busy
+    steps start where the one before ended)."""
+    start_ns = point[i]["ts_ns"] - point[i]["step_us"] * 1000
+    return start_ns - point[i - 1]["ts_ns"] >= IDLE_GAP_US * 1000
+
+
 def describe(point: list[dict]) -> dict[str, Any]:
     c = max(s["bs"] for s in point)
     tokens = [s["bs"] + sum(s["accept"]) for s in point]
@@ -103,7 +117,10 @@ def describe(point: list[dict]) -> dict[str, Any]:
     clean = set(clean_steps(point))
     decode = [us[i] for i in full if i in clean]
     base = statistics.median(decode) if decode else float("nan")
-    admits = [i for i in range(1, len(point)) if point[i]["prefill_tokens"] > 0 and point[i]["bs"] >= 0.9 * c]
+    admits = [
+        i for i in range(1, len(point))
+        if point[i]["prefill_tokens"] > 0 and point[i]["bs"] >= 0.9 * c and not after_idle(point, i)
+    ]  # fmt: skip
     extra = [us[i] + us[i - 1] - 2 * base for i in admits]
     first, n_first, other, n_other = resume_acceptance([[(s["depth"], s["accept"]) for s in point]])
     return {
