@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -151,6 +152,39 @@ class OffCounters:
 
 
 COUNTERS = OffCounters()
+COUNTERS_LOG_S = 10.0  # at most one counters line per this many seconds (log_counters_if_changed)
+_COUNTERS_LOG = SimpleNamespace(last=None, at=-COUNTERS_LOG_S)
+
+
+def counters_summary() -> str:
+    """One line of :data:`COUNTERS`: how depth 0 ran in this process so far."""
+    c = COUNTERS
+    return (
+        f"{c.plain_steps} depth-0 steps as plain decodes ({c.graph_steps} through a CUDA graph), "
+        f"{c.verify_fallbacks} as SGLang's verify; {c.kv_steps} KV-only drafter updates "
+        f"({c.kv_fallbacks} whole extends instead), {c.kv_prefills} KV-only prefills, "
+        f"{c.warm_extends} warm-resume extends; {c.errors} errors"
+    )
+
+
+def log_counters_if_changed(now: float | None = None) -> bool:
+    """Log :func:`counters_summary` at INFO if the counters changed since the last line (and are
+    not all 0: a server that never ran depth 0) and :data:`COUNTERS_LOG_S` has passed; returns
+    whether it logged.
+
+    The hook calls this when its scheduler goes idle after work, so a server's log says, between
+    a benchmark's points, whether its depth-0 steps ran as plain decodes through a graph or fell
+    back (nothing else reports these counters outside the process).
+    """
+    now = time.monotonic() if now is None else now
+    state = tuple(getattr(COUNTERS, f) for f in OffCounters.__slots__)
+    if not any(state) or state == _COUNTERS_LOG.last or now - _COUNTERS_LOG.at < COUNTERS_LOG_S:
+        return False
+    _COUNTERS_LOG.last, _COUNTERS_LOG.at = state, now
+    logger.info("spec controller: off switch so far: %s", counters_summary())
+    return True
+
+
 RESUME = WarmResume()  # the warm resume's state in this process (install() enables it under kv)
 _logged: set[str] = set()
 _plain_cls: dict[int, type] = {}

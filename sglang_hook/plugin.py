@@ -322,15 +322,21 @@ class HookRuntime:
         )
 
     def on_idle(self, scheduler: Any) -> None:
-        """The scheduler has nothing to run: forget the previous decode; connect if not yet.
+        """The scheduler has nothing to run: forget the previous decode; connect if not yet; after
+        work, log the off switch's counters if they changed (:func:`off_switch.log_counters_if_changed`).
 
         Connecting here, while the server waits for its first request, gives ZeroMQ time to
         complete the connection before the first record (a record sent before that is dropped).
         Through the broadcast, the first iteration top did it; a replica of one rank has none.
         """
-        self.prev_decode_ns = None
+        busy, self.prev_decode_ns = self.prev_decode_ns is not None, None
         if self.profiler is not None:
             self.profiler.clear_pending()
+        if self.is_entry and busy:
+            try:
+                off_switch.log_counters_if_changed()
+            except Exception:  # a log line must never reach the scheduler
+                log_once("counters-log", "spec controller: logging the off switch's counters failed")
         if self.is_entry and self.client is None:
             self._ensure_client(scheduler.server_args)
 

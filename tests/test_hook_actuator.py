@@ -915,3 +915,29 @@ def test_without_a_cpu_mirror_of_seq_lens_the_requests_are_summed_off_the_schedu
     step = rt.build_step(captured)
     assert step.ctx_tokens == 357 and Req.reads == 3
     assert step.accept == [1, 3, 0] and step.depth == 3 and step.bs == 3
+
+
+def test_idle_after_work_logs_the_off_switch_counters_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``on_idle`` asks the off switch to log its counters only when a decode ran since the last
+    idle, and a failure there stays in the hook."""
+    from sglang_hook import off_switch
+
+    calls: list[int] = []
+    monkeypatch.setattr(off_switch, "log_counters_if_changed", lambda: calls.append(1) or True)
+    rt = plugin.HookRuntime(HookConfig(endpoint="ipc:///tmp/hook-none.sock"), compat.Ranks())
+    rt.client = object()  # connected: on_idle has nothing else to do
+    sched = SimpleNamespace(server_args=SimpleNamespace())
+    rt.on_idle(sched)
+    assert calls == []  # idle before any decode
+    rt.prev_decode_ns = 123
+    rt.on_idle(sched)
+    rt.on_idle(sched)
+    assert calls == [1] and rt.prev_decode_ns is None
+
+    def boom() -> bool:
+        raise RuntimeError("log")
+
+    monkeypatch.setattr(off_switch, "log_counters_if_changed", boom)
+    rt.prev_decode_ns = 456
+    rt.on_idle(sched)  # does not raise
+    assert rt.prev_decode_ns is None

@@ -1022,3 +1022,22 @@ def test_a_failing_step_still_stores_what_earlier_steps_owe(eagle3: Any, defer: 
     ref = stored_at_once(model, steps[:2])  # the two steps before it were stored, not dropped
     for got, want in zip(pool.get_kv_buffer(layer_id), ref.get_kv_buffer(layer_id)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_counters_are_logged_when_they_change_at_most_every_interval(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``log_counters_if_changed``: nothing while depth 0 never ran; then one line per change,
+    none within ``COUNTERS_LOG_S`` of the last one, none while nothing changed."""
+    monkeypatch.setattr(off_switch, "COUNTERS", off_switch.OffCounters())
+    monkeypatch.setattr(off_switch, "_COUNTERS_LOG", SimpleNamespace(last=None, at=-off_switch.COUNTERS_LOG_S))
+    caplog.set_level(logging.INFO, logger="sglang_hook")
+    assert not off_switch.log_counters_if_changed(now=100.0)  # all 0: a server without depth 0
+    off_switch.COUNTERS.plain_steps, off_switch.COUNTERS.graph_steps = 7, 6
+    assert off_switch.log_counters_if_changed(now=101.0)
+    assert "7 depth-0 steps as plain decodes (6 through a CUDA graph)" in caplog.text
+    assert not off_switch.log_counters_if_changed(now=200.0)  # unchanged
+    off_switch.COUNTERS.verify_fallbacks = 1
+    assert not off_switch.log_counters_if_changed(now=101.0 + off_switch.COUNTERS_LOG_S / 2)  # too soon
+    assert off_switch.log_counters_if_changed(now=101.0 + off_switch.COUNTERS_LOG_S)
+    assert "1 as SGLang's verify" in caplog.text

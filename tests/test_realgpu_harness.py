@@ -1202,3 +1202,18 @@ def test_the_testbed_target_holds_the_longest_context_a_call_asks_for() -> None:
     cfg = build_models._llama_config(build_models.SHAPES["8b"], 1)
     args = realgpu.parse(["--stages", "long", "--long-input", "4096,16384,32768", "--output-sigma", "0.7"])
     assert args.context <= int(cfg["max_position_embeddings"])  # type: ignore[call-overload]
+
+
+def test_server_facts_keep_the_last_off_switch_counters_line(tmp_path: Path) -> None:
+    """``offswitch.facts``: of the counters lines the hook logs as its scheduler goes idle, the
+    last one (how depth 0 ran over the whole call), whatever came before it."""
+    from types import SimpleNamespace
+
+    log = tmp_path / "server_off.log"
+    startup = [f"spec controller: startup line {i}" for i in range(25)]
+    counted = [f"spec controller: off switch so far: {n} depth-0 steps as plain decodes" for n in (10, 250)]
+    log.write_text("\n".join([*startup, counted[0], "Traceback: not ours", counted[1]]) + "\n")
+    got = offswitch.facts(SimpleNamespace(log_path=log))
+    assert got["off_counters"] == [counted[1]] and len(got["off_switch"]) == 20
+    log.write_text("no hook here\n")
+    assert offswitch.facts(SimpleNamespace(log_path=log))["off_counters"] == []

@@ -234,6 +234,8 @@ def facts(server: Server) -> dict[str, Any]:
         "kv": grab(r"KV Cache is allocated|max_total_num_tokens|Post-capture KV|Memory pool end"),
         "graphs": grab(r"Capture (cuda|draft|CUDA).*end|Built adaptive runtime state", 12),
         "off_switch": grab(r"spec controller", 20),
+        # the hook logs how depth 0 ran when its scheduler goes idle after work: the last line
+        "off_counters": [ln.strip()[-300:] for ln in text.splitlines() if "off switch so far" in ln][-1:],
         "errors": grab(r"Traceback|Error|error", 12),
         "switches": len(grab(r"Switch adaptive runtime state", 10_000)),
         "sglang_rule_lines": len(grab(r"Adaptive spec params updated", 10_000)),
