@@ -52,16 +52,19 @@ from controller.traces import iter_records, start_key  # noqa: E402
 from env.fit import resume_acceptance  # noqa: E402
 
 
+def idle_ms(prev: dict, step: dict) -> float:
+    """How long the server idled between step ``prev``'s end and ``step``'s start (busy steps
+    start where the one before ended: 0)."""
+    return (step["ts_ns"] - step["step_us"] * 1000 - prev["ts_ns"]) / 1e6
+
+
 def points(steps: list[dict], gap_ms: float) -> list[list[dict]]:
     """The trace's steps split where the server idled longer than ``gap_ms`` between steps."""
     out: list[list[dict]] = [[]]
-    prev_end = None
-    for s in steps:
-        start = s["ts_ns"] / 1e6 - s["step_us"] / 1e3
-        if prev_end is not None and start - prev_end > gap_ms and out[-1]:
+    for prev, s in zip([None, *steps], steps):
+        if prev is not None and idle_ms(prev, s) > gap_ms and out[-1]:
             out.append([])
         out[-1].append(s)
-        prev_end = s["ts_ns"] / 1e6
     return [p for p in out if p]
 
 
@@ -103,10 +106,8 @@ timed it from its own launch (``Scheduler.on_idle``), so an admission before it 
 
 
 def after_idle(point: list[dict], i: int) -> bool:
-    """Whether step ``i`` starts :data:`IDLE_GAP_US` or more after step ``i - 1`` ended (busy
-    steps start where the one before ended)."""
-    start_ns = point[i]["ts_ns"] - point[i]["step_us"] * 1000
-    return start_ns - point[i - 1]["ts_ns"] >= IDLE_GAP_US * 1000
+    """Whether step ``i`` starts :data:`IDLE_GAP_US` or more after step ``i - 1`` ended."""
+    return idle_ms(point[i - 1], point[i]) >= IDLE_GAP_US / 1000
 
 
 def describe(point: list[dict]) -> dict[str, Any]:
